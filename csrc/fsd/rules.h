@@ -1,0 +1,75 @@
+// The divergences and acceptance rules of DESIGN.md section 2: the one place in C++/CUDA where
+// their formulas live (fsd_ext/reference.py is the executable spec they are tested against).
+#pragma once
+
+#include <cmath>
+
+#include "common.h"
+
+namespace fsd {
+
+// One vocabulary entry's contribution to D(p || q), from probabilities and their exact logs
+// (log-space, so an underflowed p still has a finite lp; lp = -inf exactly when p is 0 by
+// construction, e.g. a filtered token or a target id beyond the draft vocabulary).
+// 0 log 0 = 0; p > 0 where q == 0 gives +inf for kl (and likewise for rkl and mkl).
+// `log_fn` is the backend's log (a vectorisable one on the CPU, logf on CUDA).
+template <Divergence D, typename F, typename LogFn>
+FSD_INLINE F divergence_term(F p, F lp, F q, F lq, LogFn log_fn) {
+  const F half = F(0.5), zero = F(0);
+  if (D == Divergence::KL) return p > zero ? p * (lp - lq) : zero;
+  if (D == Divergence::RKL) return q > zero ? q * (lq - lp) : zero;
+  if (D == Divergence::TV) return half * (p > q ? p - q : q - p);
+  const F m = half * (p + q);
+  const F lm = log_fn(m);
+  if (D == Divergence::JS)
+    return half * ((p > zero ? p * (lp - lm) : zero) + (q > zero ? q * (lq - lm) : zero));
+  // MKL: 0.5 KL(m || p) + 0.5 KL(m || q)
+  return m > zero ? half * m * ((lm - lp) + (lm - lq)) : zero;
+}
+
+// The sum of the terms is the divergence up to rounding; rounding can push a true 0 slightly
+// negative, which no divergence can be.
+template <typename F>
+FSD_INLINE F finish_divergence(F sum) {
+  return sum > F(0) ? sum : F(0);
+}
+
+FSD_INLINE bool rule_needs_divergence(Rule rule) {
+  return rule == Rule::FSD || rule == Rule::FSDStrict;
+}
+
+// Whether drafted token d_i is accepted. `coin` is u_i, `p_draft`/`q_draft` are p_i(d_i)/q_i(d_i)
+// (sampling distributions), `divergence` is D_i (unused by greedy and sd).
+FSD_INLINE bool accept_draft(Rule rule, float divergence, float threshold, double coin, double p_draft,
+                             double q_draft, bool draft_is_target_argmax) {
+  const bool coin_accepts = coin * q_draft <= p_draft;
+  switch (rule) {
+    case Rule::Greedy: return draft_is_target_argmax;
+    case Rule::SD: return coin_accepts;
+    case Rule::FSD: return divergence < threshold || coin_accepts;
+    case Rule::FSDStrict: return divergence <= threshold && divergence < INFINITY;
+  }
+  return false;
+}
+
+// What is emitted after the accepted prefix.
+enum class Emit : int32_t {
+  TargetArgmax,  // argmax p_i (lowest id on ties)
+  Residual,      // a sample of max(0, p_i - q_i), or of p_i when that has no mass
+  TargetSample,  // a sample of p_i (argmax when the row is greedy, temperature 0)
+};
+
+FSD_INLINE Emit correction_emit(Rule rule) {
+  switch (rule) {
+    case Rule::Greedy: return Emit::TargetArgmax;
+    case Rule::FSDStrict: return Emit::TargetSample;
+    default: return Emit::Residual;
+  }
+}
+
+// All K drafts accepted: the bonus token from p_K (greedy rule: its argmax).
+FSD_INLINE Emit bonus_emit(Rule rule) {
+  return rule == Rule::Greedy ? Emit::TargetArgmax : Emit::TargetSample;
+}
+
+}  // namespace fsd

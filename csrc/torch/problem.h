@@ -1,0 +1,257 @@
+// Turns the op arguments (tensors) into the framework-free problem structs of csrc/fsd/common.h,
+// checking every shape, dtype, device and range on the way, and allocating the outputs. Shared by
+// the CPU (ops.cpp) and CUDA (ops_cuda.cpp) implementations so both reject the same inputs with the
+// same messages.
+#pragma once
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+#include "fsd/common.h"
+#include "fsd/rules.h"
+
+namespace fsd_torch {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+inline fsd::DType logits_dtype(const Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return fsd::DType::Float32;
+    case at::kBFloat16: return fsd::DType::BFloat16;
+    case at::kHalf: return fsd::DType::Float16;
+    default: TORCH_CHECK_TYPE(false, name, " must be float32, bfloat16 or float16, got ", t.scalar_type());
+  }
+  return fsd::DType::Float32;
+}
+
+inline void check_same_device(const Tensor& t, const Tensor& like, const char* name) {
+  TORCH_CHECK(t.device() == like.device(), name, " is on ", t.device(), ", expected ", like.device(),
+              " like the logits");
+}
+
+inline void check_logits(const Tensor& t, int64_t ndim, const char* name) {
+  TORCH_CHECK(t.dim() == ndim, name, " must have ", ndim, " dims, got ", t.sizes());
+  logits_dtype(t, name);
+  TORCH_CHECK(t.size(-1) >= 1, name, " must have a vocabulary of at least 1, got ", t.sizes());
+  TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous along the vocabulary (last) dim");
+  TORCH_CHECK(t.size(-1) < (int64_t(1) << 31), name, " vocabulary must be < 2^31");
+}
+
+// A float argument given either per row ([B] float32 tensor) or once for the call.
+inline fsd::RowValue<float> row_value(const OptTensor& per_row, double scalar, int64_t batch,
+                                      const Tensor& like, const char* name, bool allow_zero) {
+  fsd::RowValue<float> value;
+  if (per_row.has_value()) {
+    const Tensor& t = *per_row;
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == batch, name, " must be a float or a [", batch,
+                "] tensor, got shape ", t.sizes());
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " tensor must be float32, got ", t.scalar_type());
+    TORCH_CHECK(t.is_contiguous(), name, " tensor must be contiguous");
+    check_same_device(t, like, name);
+    value.per_row = t.data_ptr<float>();
+  } else {
+    TORCH_CHECK(scalar >= 0.0 && (allow_zero || scalar > 0.0), name, " must be ",
+                allow_zero ? ">= 0" : "> 0", ", got ", scalar);
+    value.scalar = (float)scalar;
+  }
+  return value;
+}
+
+inline fsd::RandomKey random_key(const OptTensor& seed_t, int64_t seed, bool seed_per_row,
+                                 const OptTensor& offset_t, int64_t offset, int64_t batch,
+                                 const Tensor& like) {
+  fsd::RandomKey key;
+  key.seed.scalar = seed;
+  key.offset.scalar = offset;
+  key.seed_per_row = seed_per_row;
+  if (seed_t.has_value()) {
+    const Tensor& t = *seed_t;
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kLong, "seed tensor must be int64, got ", t.scalar_type());
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == (seed_per_row ? batch : 1), "seed tensor must be [",
+                seed_per_row ? batch : 1, "], got ", t.sizes());
+    TORCH_CHECK(t.is_contiguous(), "seed tensor must be contiguous");
+    check_same_device(t, like, "seed");
+    key.seed.per_row = t.data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK(!seed_per_row, "seed_per_row needs a seed tensor");
+  }
+  if (offset_t.has_value()) {
+    const Tensor& t = *offset_t;
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kLong, "offset tensor must be int64, got ", t.scalar_type());
+    TORCH_CHECK(t.numel() == 1 && t.is_contiguous(), "offset tensor must hold one element");
+    check_same_device(t, like, "offset");
+    key.offset.per_row = t.data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
+  }
+  return key;
+}
+
+inline fsd::SamplingFilter sampling_filter(int64_t top_k, double top_p, double min_p) {
+  TORCH_CHECK(top_k >= 0, "top_k must be >= 1 (or 0 for off), got ", top_k);
+  TORCH_CHECK(top_p > 0.0 && top_p <= 1.0, "top_p must be in (0, 1], got ", top_p);
+  TORCH_CHECK(min_p >= 0.0 && min_p <= 1.0, "min_p must be in [0, 1], got ", min_p);
+  fsd::SamplingFilter filter;
+  filter.top_k = top_k;
+  filter.top_p = (float)top_p;
+  filter.min_p = (float)min_p;
+  return filter;
+}
+
+// Outputs of accept: tokens [B, K+1] int64, num_accepted [B] int64, valid [B] bool, divergence
+// [B, K] float32.
+struct AcceptOutputs {
+  Tensor tokens, num_accepted, valid, divergence;
+};
+
+struct AcceptArgs {
+  const Tensor& target_logits;
+  const Tensor& draft_logits;
+  const Tensor& draft_tokens;
+  const OptTensor& num_draft;
+  const OptTensor& threshold_t; double threshold;
+  const OptTensor& temperature_t; double temperature;
+  const OptTensor& div_temperature_t; double div_temperature;
+  bool div_uses_sampling;
+  const OptTensor& seed_t; int64_t seed; bool seed_per_row;
+  const OptTensor& offset_t; int64_t offset;
+  int64_t rule, divergence, top_k; double top_p, min_p; int64_t div_top_k;
+  bool return_divergence;
+};
+
+inline fsd::AcceptProblem make_accept_problem(const AcceptArgs& a, AcceptOutputs& out) {
+  const Tensor& target = a.target_logits;
+  const Tensor& draft = a.draft_logits;
+  check_logits(target, 3, "target_logits");
+  check_logits(draft, 3, "draft_logits");
+  const int64_t batch = target.size(0), k = target.size(1) - 1;
+  TORCH_CHECK(k >= 0, "target_logits must hold K+1 >= 1 positions, got ", target.sizes());
+  TORCH_CHECK(draft.size(0) == batch && draft.size(1) == k, "draft_logits must be [B=", batch, ", K=",
+              k, ", V_d], got ", draft.sizes());
+  TORCH_CHECK(draft.size(2) <= target.size(2), "draft vocabulary V_d=", draft.size(2),
+              " must be <= target vocabulary V_t=", target.size(2));
+  TORCH_CHECK_TYPE(draft.scalar_type() == target.scalar_type(), "draft_logits dtype ", draft.scalar_type(),
+                   " must match target_logits dtype ", target.scalar_type());
+  check_same_device(draft, target, "draft_logits");
+  const Tensor& tokens = a.draft_tokens;
+  TORCH_CHECK_TYPE(tokens.scalar_type() == at::kInt || tokens.scalar_type() == at::kLong,
+                   "draft_tokens must be int32 or int64, got ", tokens.scalar_type());
+  TORCH_CHECK(tokens.dim() == 2 && tokens.size(0) == batch && tokens.size(1) == k,
+              "draft_tokens must be [B=", batch, ", K=", k, "], got ", tokens.sizes());
+  TORCH_CHECK(tokens.is_contiguous(), "draft_tokens must be contiguous");
+  check_same_device(tokens, target, "draft_tokens");
+  TORCH_CHECK(a.rule >= 0 && a.rule <= 3, "rule id must be in [0, 3], got ", a.rule);
+  TORCH_CHECK(a.divergence >= 0 && a.divergence <= 4, "divergence id must be in [0, 4], got ", a.divergence);
+  TORCH_CHECK(a.div_top_k >= 0, "div_top_k must be >= 1 (or 0 for off), got ", a.div_top_k);
+
+  fsd::AcceptProblem p;
+  p.batch = batch;
+  p.max_draft = k;
+  p.target_vocab = target.size(2);
+  p.draft_vocab = draft.size(2);
+  p.dtype = logits_dtype(target, "target_logits");
+  p.target_logits = target.data_ptr();
+  p.target_stride_b = target.stride(0);
+  p.target_stride_k = target.stride(1);
+  p.draft_logits = draft.data_ptr();
+  p.draft_stride_b = draft.stride(0);
+  p.draft_stride_k = draft.stride(1);
+  p.draft_tokens = tokens.data_ptr();
+  p.tokens_int32 = tokens.scalar_type() == at::kInt;
+  if (a.num_draft.has_value()) {
+    const Tensor& nd = *a.num_draft;
+    TORCH_CHECK_TYPE(nd.scalar_type() == at::kLong, "num_draft must be int64, got ", nd.scalar_type());
+    TORCH_CHECK(nd.dim() == 1 && nd.size(0) == batch && nd.is_contiguous(), "num_draft must be [B=",
+                batch, "], got ", nd.sizes());
+    check_same_device(nd, target, "num_draft");
+    p.num_draft = nd.data_ptr<int64_t>();
+  }
+  p.rule = (fsd::Rule)a.rule;
+  p.divergence = (fsd::Divergence)a.divergence;
+  p.threshold = row_value(a.threshold_t, a.threshold, batch, target, "threshold", true);
+  p.temperature = row_value(a.temperature_t, a.temperature, batch, target, "temperature", true);
+  p.div_uses_sampling = a.div_uses_sampling;
+  p.div_temperature = row_value(a.div_temperature_t, a.div_temperature, batch, target,
+                                "div_temperature", false);
+  p.div_top_k = a.div_top_k;
+  p.filter = sampling_filter(a.top_k, a.top_p, a.min_p);
+  p.key = random_key(a.seed_t, a.seed, a.seed_per_row, a.offset_t, a.offset, batch, target);
+
+  const auto long_opts = target.options().dtype(at::kLong);
+  out.tokens = at::empty({batch, k + 1}, long_opts);
+  out.num_accepted = at::empty({batch}, long_opts);
+  out.valid = at::empty({batch}, target.options().dtype(at::kBool));
+  out.divergence = at::empty({batch, k}, target.options().dtype(at::kFloat));
+  p.tokens = out.tokens.data_ptr<int64_t>();
+  p.num_accepted = out.num_accepted.data_ptr<int64_t>();
+  p.valid = out.valid.data_ptr<bool>();
+  p.divergences = out.divergence.data_ptr<float>();
+  p.need_divergence = a.return_divergence || fsd::rule_needs_divergence(p.rule);
+  return p;
+}
+
+inline fsd::DivergenceProblem make_divergence_problem(const Tensor& target, const Tensor& draft,
+                                                      int64_t kind, double temperature, int64_t top_k,
+                                                      Tensor& out) {
+  check_logits(target, 2, "target_logits");
+  check_logits(draft, 2, "draft_logits");
+  TORCH_CHECK(target.size(0) == draft.size(0), "target_logits and draft_logits must have the same rows, got ",
+              target.sizes(), " and ", draft.sizes());
+  TORCH_CHECK(draft.size(1) <= target.size(1), "draft vocabulary must be <= target vocabulary");
+  TORCH_CHECK_TYPE(draft.scalar_type() == target.scalar_type(), "draft_logits and target_logits dtypes differ");
+  check_same_device(draft, target, "draft_logits");
+  TORCH_CHECK(kind >= 0 && kind <= 4, "kind id must be in [0, 4], got ", kind);
+  TORCH_CHECK(temperature > 0.0, "temperature must be > 0, got ", temperature);
+  TORCH_CHECK(top_k >= 0, "top_k must be >= 1 (or 0 for off), got ", top_k);
+  fsd::DivergenceProblem p;
+  p.rows = target.size(0);
+  p.target_vocab = target.size(1);
+  p.draft_vocab = draft.size(1);
+  p.dtype = logits_dtype(target, "target_logits");
+  p.target_logits = target.data_ptr();
+  p.target_stride = target.stride(0);
+  p.draft_logits = draft.data_ptr();
+  p.draft_stride = draft.stride(0);
+  p.divergence = (fsd::Divergence)kind;
+  p.temperature = (float)temperature;
+  p.top_k = top_k;
+  out = at::empty({p.rows}, target.options().dtype(at::kFloat));
+  p.out = out.data_ptr<float>();
+  return p;
+}
+
+inline fsd::SampleProblem make_sample_problem(const Tensor& logits, const OptTensor& temperature_t,
+                                              double temperature, int64_t top_k, double top_p,
+                                              double min_p, const OptTensor& seed_t, int64_t seed,
+                                              bool seed_per_row, const OptTensor& offset_t,
+                                              int64_t offset, Tensor& out) {
+  check_logits(logits, 3, "logits");
+  fsd::SampleProblem p;
+  p.batch = logits.size(0);
+  p.positions = logits.size(1);
+  p.vocab = logits.size(2);
+  p.dtype = logits_dtype(logits, "logits");
+  p.logits = logits.data_ptr();
+  p.stride_b = logits.stride(0);
+  p.stride_s = logits.stride(1);
+  p.temperature = row_value(temperature_t, temperature, p.batch, logits, "temperature", true);
+  p.filter = sampling_filter(top_k, top_p, min_p);
+  p.key = random_key(seed_t, seed, seed_per_row, offset_t, offset, p.batch, logits);
+  out = at::empty({p.batch, p.positions}, logits.options().dtype(at::kLong));
+  p.tokens = out.data_ptr<int64_t>();
+  return p;
+}
+
+inline void check_uniform_args(const Tensor& seed, const Tensor& offset, bool seed_per_row, int64_t rows,
+                               int64_t positions, int64_t purpose) {
+  TORCH_CHECK(rows >= 0 && positions >= 0, "rows and positions must be >= 0");
+  TORCH_CHECK(purpose >= 1 && purpose <= 3, "purpose id must be in [1, 3], got ", purpose);
+  TORCH_CHECK(positions <= (1 << 24), "positions must be <= 2^24");
+  (void)seed; (void)offset; (void)seed_per_row;
+}
+
+}  // namespace fsd_torch
