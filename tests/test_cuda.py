@@ -153,6 +153,23 @@ def test_accept_big_vocab_split_path(fops, vocab):
         torch.testing.assert_close(cuda.divergence, ref.divergence, rtol=1e-5, atol=1e-6, equal_nan=True)
 
 
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_vocab_path_matches_reference(fops, rule, dtype):
+    # Few rows and a big vocabulary: each position's vocabulary is split over many blocks (two
+    # launches), with ragged K, V_d < V_t, odd sizes and a NaN row.
+    target, draft, tokens, nd = make_case(6, 3, 50001, 49999, dtype=dtype, seed=15, num_draft=True)
+    target[5, 0, 123] = float("nan")
+    nd[5] = 2
+    kw = dict(rule=rule, divergence="rkl", threshold=0.2, temperature=0.9, seed=21, num_draft=nd,
+              return_divergence=True)
+    cuda = run_accept(fops, "cuda", target, draft, tokens, **kw)
+    ref = reference.accept(target, draft, tokens, **kw)
+    assert agreement(cuda, ref) == 1.0
+    assert not bool(cuda.valid[5])
+    torch.testing.assert_close(cuda.divergence, ref.divergence, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
 @pytest.mark.parametrize("filters", [dict(top_k=20), dict(top_p=0.8), dict(min_p=0.05),
                                      dict(top_k=50, top_p=0.9, min_p=0.01)])
 @pytest.mark.parametrize("rule", ["sd", "fsd", "fsd_strict"])

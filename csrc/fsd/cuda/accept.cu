@@ -26,8 +26,10 @@ AcceptPlan plan_accept(const AcceptProblem& pb) {
                   (pb.need_divergence && pb.div_top_k > 0 && pb.div_top_k < pb.target_vocab);
   plan.splits = 1;
   if (!plan.filtered) {
-    // Split the vocabulary when the batch alone leaves SMs idle: aim for ~4 blocks per SM.
-    const int64_t want_blocks = 4 * (int64_t)multiprocessor_count();
+    // Split the vocabulary when the batch alone leaves SMs idle (the fused kernel runs 2 blocks
+    // per SM); then aim for ~4 blocks per SM.
+    const int64_t sms = (int64_t)multiprocessor_count();
+    const int64_t want_blocks = pb.batch * positions >= 2 * sms ? 0 : 4 * sms;
     const int64_t blocks = pb.batch * positions;
     if (blocks > 0 && blocks < want_blocks) {
       const int64_t by_vocab = (pb.target_vocab + kMinChunk - 1) / kMinChunk;
@@ -59,11 +61,18 @@ cudaError_t launch_typed(const AcceptProblem& pb, const AcceptPlan& plan, char* 
   ws.chunk = plan.chunk;
   const int64_t blocks = pb.batch * (pb.max_draft + 1) * plan.splits;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  if (plan.filtered) accept_stats_kernel<T, true><<<(unsigned)blocks, kThreads, 0, stream>>>(pb, ws);
-  else accept_stats_kernel<T, false><<<(unsigned)blocks, kThreads, 0, stream>>>(pb, ws);
-  FSD_CUDA_CHECK(cudaGetLastError());
-  accept_decide_kernel<T><<<(unsigned)blocks, kThreads, 0, stream>>>(pb, ws);
-  FSD_CUDA_CHECK(cudaGetLastError());
+  const unsigned grid = (unsigned)blocks;
+  if (plan.splits == 1) {  // one fused launch; its row counters start from zero
+    FSD_CUDA_CHECK(cudaMemsetAsync(ws.counters, 0, (size_t)pb.batch * sizeof(uint32_t), stream));
+    if (plan.filtered) accept_stats_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(pb, ws);
+    else accept_stats_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(pb, ws);
+    FSD_CUDA_CHECK(cudaGetLastError());
+  } else {
+    accept_stats_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(pb, ws);
+    FSD_CUDA_CHECK(cudaGetLastError());
+    accept_decide_kernel<T><<<grid, kThreads, 0, stream>>>(pb, ws);
+    FSD_CUDA_CHECK(cudaGetLastError());
+  }
   return cudaSuccess;
 }
 

@@ -23,6 +23,9 @@ namespace fsd {
 namespace cuda {
 
 constexpr int kThreads = 256;  // threads per block of every kernel
+// Register budgets (__launch_bounds__ minimum blocks per SM): ptxas otherwise sometimes settles on
+// 64 registers and spills. Streaming statistics: 4 blocks (<= 64 registers); the decision kernel
+// (pass 2 + the row finish): 2 blocks (<= 128); the filter path: 1 block.
 constexpr int kScanItems = 8;  // contiguous ids per thread in the sampling / tie scans
 constexpr float kInf = __builtin_huge_valf();
 
@@ -110,9 +113,12 @@ __device__ __forceinline__ void block_for_each(const T* __restrict__ row, int64_
 // f(id, target_values, draft_values, Width<n>). Ids >= draft_end get draft value -inf (the draft
 // vocabulary is smaller). Vector loads for the target; for the draft too when both rows share the
 // same 16-byte phase.
+// With `reverse` the aligned body is walked from its end (pass 2 right after pass 1: the ids read
+// last are the likeliest still in L2).
 template <typename T, typename F>
 __device__ __forceinline__ void block_for_each_pair(const T* __restrict__ target, const T* __restrict__ draft,
-                                                    int64_t begin, int64_t end, int64_t draft_end, F&& f) {
+                                                    int64_t begin, int64_t end, int64_t draft_end, bool reverse,
+                                                    F&& f) {
   constexpr int N = VecWidth<T>::value;
   const int64_t both_end = max(begin, min(end, draft_end));
   if (both_end > begin) {
@@ -128,7 +134,7 @@ __device__ __forceinline__ void block_for_each_pair(const T* __restrict__ target
     }
     const int64_t vectors = (both_end - head_end) / N;
     for (int64_t t = threadIdx.x; t < vectors; t += blockDim.x) {
-      const int64_t j = head_end + t * N;
+      const int64_t j = head_end + (reverse ? vectors - 1 - t : t) * N;
       float a[N], b[N];
       load_vec_raw(target + j, a);
       if (same_phase) {
@@ -600,14 +606,14 @@ template <Divergence D, typename T>
 __device__ __forceinline__ void pass_two(const T* __restrict__ target, const T* __restrict__ draft, int64_t begin,
                                          int64_t end, int64_t draft_vocab, const Dist& pd, const Dist& qd,
                                          const Dist& p, const Dist& q, bool need_div, bool need_residual,
-                                         const TopBuckets& top, PassTwo& acc) {
+                                         const TopBuckets& top, bool reverse, PassTwo& acc) {
   const DeviceLog log_fn;
   const bool shared_dists = pd.max == p.max && pd.inv == p.inv && pd.cut == p.cut && pd.one_hot == p.one_hot &&
                             qd.max == q.max && qd.inv == q.inv && qd.cut == q.cut && qd.one_hot == q.one_hot &&
                             pd.log_sum == p.log_sum && qd.log_sum == q.log_sum;
   float div = 0.0f, rest_p = 0.0f, rest_q = 0.0f, residual = 0.0f;
   int count = 0;
-  block_for_each_pair(target, draft, begin, end, draft_vocab, [&](int64_t j, const float* a, const float* b, auto width) {
+  block_for_each_pair(target, draft, begin, end, draft_vocab, reverse, [&](int64_t j, const float* a, const float* b, auto width) {
     constexpr int N = decltype(width)::value;
 #pragma unroll
     for (int i = 0; i < N; ++i) {

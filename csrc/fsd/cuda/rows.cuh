@@ -42,7 +42,7 @@ __global__ void __launch_bounds__(kThreads) divergence_rows_kernel(const Diverge
   }
   PassTwo acc;
   with_divergence(pb.divergence, [&](auto tag) {
-    pass_two<decltype(tag)::value>(target, draft, 0, pb.target_vocab, pb.draft_vocab, p, q, p, q, true, false, top, acc);
+    pass_two<decltype(tag)::value>(target, draft, 0, pb.target_vocab, pb.draft_vocab, p, q, p, q, true, false, top, true, acc);
   });
   const PassTwo sums = cub::BlockReduce<PassTwo, kThreads>(temp.reduce).Reduce(acc, PassTwoSum());
   if (threadIdx.x == 0) pb.out[r] = finish_pass_two(pb.divergence, sums, top.on);
