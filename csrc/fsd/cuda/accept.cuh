@@ -247,7 +247,6 @@ struct FinalShared {
   int64_t chunk;       // the chunk the sample lies in (-1: rounding ran past the end)
   int64_t last_chunk;  // the last chunk with positive weight
   double base, target;
-  int32_t valid;
   int32_t mode;
 };
 
@@ -263,32 +262,33 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
   const PositionInfo* infos = ws.positions + b * positions;
   const PassTwo* row_pass_two = ws.pass_two + b * positions * splits;
 
-  // 1. Validity (thread 0).
-  if (threadIdx.x == 0) {
-    for (int64_t i = 0; i <= k; ++i) tokens[i] = -1;
-    bool valid = nd >= 0 && nd <= k;
-    for (int64_t i = 0; valid && i <= nd; ++i) {
-      const PositionInfo info = load_coherent(infos + i);
-      valid = stat_good(info.flags_t) && (i == nd || stat_good(info.flags_d));
-      if (valid && i < nd) {
-        const int64_t token = draft_token(pb, b, i);
-        valid = token >= 0 && token < pb.draft_vocab;
-      }
+  // 1. Validity: one thread per position checks its flags and draft id.
+  const bool nd_ok = nd >= 0 && nd <= k;
+  bool position_ok = true;
+  for (int64_t i = threadIdx.x; nd_ok && i <= nd; i += blockDim.x) {
+    const PositionInfo info = load_coherent(infos + i);
+    position_ok = position_ok && stat_good(info.flags_t) && (i == nd || stat_good(info.flags_d));
+    if (i < nd) {
+      const int64_t token = draft_token(pb, b, i);
+      position_ok = position_ok && token >= 0 && token < pb.draft_vocab;
     }
+  }
+  const bool valid = __syncthreads_and(nd_ok && position_ok) != 0;
+  for (int64_t i = threadIdx.x; i <= k; i += blockDim.x) tokens[i] = -1;
+  for (int64_t i = threadIdx.x; i < k; i += blockDim.x)
+    if (!valid || i >= nd || !pb.need_divergence) pb.divergences[b * k + i] = kNaN;
+  if (threadIdx.x == 0) {
     pb.valid[b] = valid;
     pb.num_accepted[b] = 0;
-    sh.valid = valid;
     sh.mode = kModeDone;
-    for (int64_t i = valid ? nd : 0; i < k; ++i) pb.divergences[b * k + i] = kNaN;
-    if (valid && !pb.need_divergence)
-      for (int64_t i = 0; i < nd; ++i) pb.divergences[b * k + i] = kNaN;
   }
   __syncthreads();
-  if (!sh.valid) return;
+  if (!valid) return;
 
-  // 2. Divergences of the used positions (warp 0 sums the chunk records).
-  if (pb.need_divergence && threadIdx.x < 32) {
-    for (int64_t i = 0; i < nd; ++i) {
+  // 2. Divergences of the used positions: one warp per position sums its chunk records.
+  if (pb.need_divergence) {
+    const int64_t warps = blockDim.x / 32;
+    for (int64_t i = threadIdx.x / 32; i < nd; i += warps) {
       const PassTwo* parts = row_pass_two + i * splits;
       PassTwo sums;
       sums.div = warp_sum_chunks(splits, [&](int64_t c) { return __ldcg(&parts[c].div); });
@@ -296,7 +296,7 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
         sums.rest_p = warp_sum_chunks(splits, [&](int64_t c) { return __ldcg(&parts[c].rest_p); });
         sums.rest_q = warp_sum_chunks(splits, [&](int64_t c) { return __ldcg(&parts[c].rest_q); });
       }
-      if (threadIdx.x == 0) pb.divergences[b * k + i] = finish_pass_two(pb.divergence, sums, bucketed);
+      if ((threadIdx.x & 31) == 0) pb.divergences[b * k + i] = finish_pass_two(pb.divergence, sums, bucketed);
     }
   }
   __syncthreads();
