@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One GPU check of the CUDA kernels on one H200 with no internet (typically 5-6 minutes; the step
-# time limits 270 + 150 + 170 s bound it):
+# One GPU check of the CUDA kernels on one H200 with no internet, meant to finish in under 8 minutes
+# (not yet timed on a GPU; the step time limits 270 + 150 + 170 s bound it):
 #   1. builds the extension in place (CUDA on, sm_90 only unless TORCH_CUDA_ARCH_LIST is set);
 #   2. pytest -m cuda tests/test_cuda.py (parity CUDA / CPU kernel / reference, statistics, CUDA
 #      graphs, NaN rows, no host sync);
