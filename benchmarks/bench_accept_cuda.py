@@ -1,0 +1,181 @@
+"""Kernel benchmark of fsd_ext.accept on CUDA (called by benchmarks/gpu_check.sh).
+
+Per shape it times one verification step of the fused kernels (eager call, and replay of a CUDA
+graph holding the call), and compares with:
+  - the bandwidth of a device-to-device copy measured in the same run (the roof: the kernels must
+    read both logits tensors at least once; GB/s counts those bytes only);
+  - an eager PyTorch implementation of the same step on the GPU (softmax, divergence, decision,
+    residual inverse-CDF sample; float32, probabilities materialised), and torch.compile of it.
+
+Prints one table; with --out DIR also writes bench_accept_cuda.json and bench_accept_cuda.md.
+Times are medians of CUDA-event measurements; never run it without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from fsd_ext import ops
+
+# (name, batch, K, V_t, dtype, extra accept kwargs)
+SHAPES = [
+    ("B64 K5 V128256 bf16 fsd/js", 64, 5, 128256, torch.bfloat16, {}),
+    ("B64 K5 V128256 bf16 sd", 64, 5, 128256, torch.bfloat16, {"rule": "sd"}),
+    ("B1 K5 V151936 bf16 fsd/js", 1, 5, 151936, torch.bfloat16, {}),
+    ("B8 K4 V152064 f16 fsd/kl", 8, 4, 152064, torch.float16, {"divergence": "kl"}),
+    ("B32 K4 V32001 f32 fsd/js", 32, 4, 32001, torch.float32, {}),
+    ("B16 K5 V128256 bf16 top_p=0.9", 16, 5, 128256, torch.bfloat16, {"top_p": 0.9}),
+]
+
+
+def cuda_time_us(fn, iters: int, repeats: int = 5) -> float:
+    """Median over `repeats` of the mean time of `iters` back-to-back calls, in microseconds."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1000.0 / iters)
+    return statistics.median(samples)
+
+
+def copy_bandwidth_gbs() -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second), 1 GiB buffers."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    us = cuda_time_us(lambda: dst.copy_(src), iters=10)
+    return 2 * src.numel() / (us * 1e-6) / 1e9
+
+
+def torch_step(target, draft, tokens, coins, uniforms, threshold: float):
+    """The fsd/js step in plain PyTorch (temperature 1, no filters), probabilities materialised."""
+    k = draft.shape[1]
+    logp = target.float().log_softmax(-1)  # [B, K+1, V]
+    logq = draft.float().log_softmax(-1)   # [B, K, V]
+    p, q = logp.exp(), logq.exp()
+    m = 0.5 * (p[:, :k] + q)
+    log_m = m.clamp_min(1e-38).log()
+    js = 0.5 * (torch.where(p[:, :k] > 0, p[:, :k] * (logp[:, :k] - log_m), 0.0)
+                + torch.where(q > 0, q * (logq - log_m), 0.0)).sum(-1)  # [B, K]
+    p_tok = p[:, :k].gather(-1, tokens[..., None])[..., 0]
+    q_tok = q.gather(-1, tokens[..., None])[..., 0]
+    accepted = (js < threshold) | (coins * q_tok <= p_tok)
+    n_acc = accepted.long().cumprod(1).sum(1)  # [B]
+    rows = torch.arange(target.shape[0], device=target.device)
+    p_at = p[rows, n_acc]
+    q_at = q[rows, n_acc.clamp(max=k - 1)] * (n_acc < k)[:, None]
+    resid = (p_at - q_at).clamp_min(0)
+    resid = torch.where(resid.sum(-1, keepdim=True) > 1e-6, resid, p_at)
+    cdf = resid.cumsum(-1)
+    pick = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None]).clamp(max=target.shape[-1] - 1)
+    return n_acc, pick, js
+
+
+def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, compile_budget_s, deadline):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    target = (torch.randn(batch, k + 1, vocab, device="cuda", generator=g) * 3).to(dtype)
+    draft = (target[:, :k].float() + torch.randn(batch, k, vocab, device="cuda", generator=g)).to(dtype)
+    tokens = torch.randint(0, vocab, (batch, k), device="cuda", generator=g)
+    seed = torch.tensor(1, dtype=torch.int64, device="cuda")
+    offset = torch.zeros(1, dtype=torch.int64, device="cuda")
+    kw = dict(rule="fsd", divergence="js", threshold=0.3, seed=seed, offset=offset)
+    kw.update(extra)
+    logits_bytes = (target.numel() + draft.numel()) * target.element_size()
+
+    eager_us = cuda_time_us(lambda: ops.accept(target, draft, tokens, **kw), iters=20)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        ops.accept(target, draft, tokens, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ops.accept(target, draft, tokens, **kw)
+    graph_us = cuda_time_us(graph.replay, iters=100)
+
+    coins = torch.rand(batch, k, device="cuda", generator=g)
+    uniforms = torch.rand(batch, device="cuda", generator=g)
+    ref_fn = lambda: torch_step(target, draft, tokens, coins, uniforms, 0.3)  # noqa: E731
+    ref_us = cuda_time_us(ref_fn, iters=5, repeats=3)
+    compiled_us = None
+    if compile_budget_s > 0 and time.monotonic() < deadline:
+        try:
+            compiled = torch.compile(torch_step, dynamic=False)
+            t0 = time.monotonic()
+            compiled(target, draft, tokens, coins, uniforms, 0.3)
+            torch.cuda.synchronize()
+            if time.monotonic() - t0 < compile_budget_s:
+                compiled_us = cuda_time_us(lambda: compiled(target, draft, tokens, coins, uniforms, 0.3),
+                                           iters=5, repeats=3)
+        except Exception as error:  # noqa: BLE001 - report and carry on
+            print(f"  torch.compile failed for {name}: {type(error).__name__}: {error}")
+    best_us = min(eager_us, graph_us)
+    gbs = logits_bytes / (best_us * 1e-6) / 1e9
+    return {
+        "shape": name, "batch": batch, "k": k, "vocab": vocab, "dtype": str(dtype).replace("torch.", ""),
+        "logits_bytes": logits_bytes, "eager_us": eager_us, "graph_us": graph_us, "gbs": gbs,
+        "pct_copy_bw": 100.0 * gbs / copy_gbs, "torch_eager_us": ref_us, "torch_compile_us": compiled_us,
+        "speedup_vs_eager": ref_us / best_us,
+        "speedup_vs_compile": (compiled_us / best_us) if compiled_us else None,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="directory for JSON / markdown")
+    parser.add_argument("--budget-s", type=float, default=240.0, help="stop adding torch.compile after this")
+    parser.add_argument("--compile-budget-s", type=float, default=60.0, help="skip compile results slower than this")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "needs a GPU"
+    deadline = time.monotonic() + args.budget_s
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
+          f"D2D copy bandwidth: {copy_gbs:.0f} GB/s")
+    results = []
+    for shape in SHAPES:
+        results.append(bench_shape(*shape, copy_gbs, args.compile_budget_s, deadline))
+        r = results[-1]
+        print(f"  done {r['shape']}: {min(r['eager_us'], r['graph_us']):.1f} us")
+    header = ("| shape | eager us | graph us | GB/s | % copy BW | torch eager us | torch.compile us "
+              "| x eager | x compile |")
+    lines = [header, "|" + "---|" * 9]
+    for r in results:
+        comp = f"{r['torch_compile_us']:.1f}" if r["torch_compile_us"] else "n/a"
+        xcomp = f"{r['speedup_vs_compile']:.1f}" if r["speedup_vs_compile"] else "n/a"
+        lines.append(f"| {r['shape']} | {r['eager_us']:.1f} | {r['graph_us']:.1f} | {r['gbs']:.0f} | "
+                     f"{r['pct_copy_bw']:.0f}% | {r['torch_eager_us']:.1f} | {comp} | "
+                     f"{r['speedup_vs_eager']:.1f} | {xcomp} |")
+    table = "\n".join(lines)
+    print()
+    print(f"D2D copy bandwidth (read + write): {copy_gbs:.0f} GB/s; GB/s = logits bytes / best time")
+    print(table)
+    targets = {
+        "B64 bf16 >= 80% copy BW": results[0]["pct_copy_bw"] >= 80.0,
+        "B1 V151936 graph <= 10 us": results[2]["graph_us"] <= 10.0,
+        ">= 5x eager everywhere": all(r["speedup_vs_eager"] >= 5.0 for r in results),
+    }
+    for name, ok in targets.items():
+        print(f"target {name}: {'MET' if ok else 'NOT MET'}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_accept_cuda.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "copy_gbs": copy_gbs, "results": results, "targets": targets}, f, indent=2)
+        with open(os.path.join(args.out, "bench_accept_cuda.md"), "w") as f:
+            f.write(f"Device: {torch.cuda.get_device_name()}, D2D copy {copy_gbs:.0f} GB/s\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# One GPU check of the CUDA kernels on one H200 with no internet, meant to finish in under 8 minutes
+# (not yet timed on a GPU; the step time limits 270 + 150 + 170 s bound it):
+#   1. builds the extension in place (CUDA on, sm_90 only unless TORCH_CUDA_ARCH_LIST is set);
+#   2. pytest -m cuda tests/test_cuda.py (parity CUDA / CPU kernel / reference, statistics, CUDA
+#      graphs, NaN rows, no host sync);
+#   3. the kernel benchmark (benchmarks/bench_accept_cuda.py): one table per shape with us, GB/s,
+#      % of the D2D copy bandwidth and the speed-ups over eager PyTorch and torch.compile.
+# Logs, junit XML and the benchmark JSON / markdown go to $OUT when it is set.
+# Exit status: non-zero if any step failed (later steps still run when the build succeeded).
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT="${OUT:-$ROOT/build/gpu_check}"
+mkdir -p "$OUT"
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+export FSD_EXT_CUDA=1
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+start=$SECONDS
+step() { echo; echo "=== [$((SECONDS - start))s] $*"; }
+
+step "environment"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+python - <<'PY'
+import torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())
+PY
+nvcc --version | tail -n 2 | head -n 1 || true
+
+step "build (python setup.py build_ext --inplace, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
+if ! timeout 270 python setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
+  tail -n 60 "$OUT/build.log"
+  echo "=== BUILD FAILED (full log: $OUT/build.log)"
+  exit 1
+fi
+grep -E "registers|spill" "$OUT/build.log" | tail -n 20 || true
+python - <<'PY'
+import torch, fsd_ext.ops as ops
+ops._ops()
+x = torch.zeros(1, 2, 8, device="cuda")
+print("extension loaded; CUDA accept:", ops.accept(x, x[:, :1], torch.zeros(1, 1, dtype=torch.long, device="cuda"), seed=0).tokens.tolist())
+PY
+
+status=0
+step "tests (pytest -m cuda tests/test_cuda.py)"
+if ! timeout 150 python -m pytest -m cuda tests/test_cuda.py -q -p no:cacheprovider \
+      --junitxml="$OUT/test_cuda.xml" 2>&1 | tee "$OUT/test_cuda.log" | tail -n 40; then
+  status=1
+fi
+# tee hides pytest's status: read it back from the summary line.
+if grep -qE "(failed|error)" "$OUT/test_cuda.log" || ! grep -qE "passed" "$OUT/test_cuda.log"; then status=1; fi
+
+step "benchmark (benchmarks/bench_accept_cuda.py)"
+if ! timeout 170 python benchmarks/bench_accept_cuda.py --out "$OUT" --budget-s 90 2>&1 | tee "$OUT/bench.log"; then
+  status=1
+fi
+
+step "done in $((SECONDS - start))s, status $status (outputs in $OUT)"
+exit "$status"

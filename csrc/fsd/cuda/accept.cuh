@@ -1,0 +1,534 @@
+// fsd_ext.accept on CUDA: one verification step straight from the logits in two launches.
+//
+// Grid: B * (K+1) * splits blocks (flattened: chunk fastest, then position, then row), kThreads
+// each. The vocabulary of a (row, position) is cut into `splits` chunks only when the batch alone
+// would leave SMs idle (never with filters or div_top_k).
+//
+//   statistics, per (row, position, chunk): online-softmax statistics of the target and draft chunk
+//       (max, lowest argmax, sums of exponentials at the sampling and divergence temperatures,
+//       NaN / finite flags); with filters, the cutoffs, kept sums and the div_top_k threshold.
+//   decision, per (row, position, chunk): the full-row distributions from the chunk statistics,
+//       then one pass over the chunk for the divergence terms and the residual mass. The last block
+//       of a row to finish (atomic counter) sums the chunk results, runs the acceptance scan
+//       (rules.h) and draws the one correction / bonus token by inverse CDF: chunk totals first,
+//       then a block scan inside the chosen chunk.
+//
+// splits == 1 (enough rows): one launch, accept_stats_kernel<..., kFused=true> does both phases
+// per block, pass 2 backwards right after pass 1 (L2 reuse); the launcher zeroes the row counters
+// with a memset first. splits > 1: accept_stats_kernel then accept_decide_kernel.
+//
+// Nothing the size of the vocabulary is written: the workspace holds O(B * K * splits) records.
+// Invalid rows (NaN / no finite logit in a used row, num_draft outside [0, K], a draft id outside
+// [0, V_d)) get tokens -1, num_accepted 0, valid false, divergences NaN.
+#pragma once
+
+#include "fsd/cuda/device.cuh"
+#include "fsd/philox.h"
+
+namespace fsd {
+namespace cuda {
+
+// Filter results of one (row, position, model), splits == 1 only.
+struct FilterInfo {
+  double sum;        // sum of exp(s) over kept ids
+  float cut;         // cutoff in s-space (-inf: none)
+  uint32_t top_key;  // div_top_k: ranking key of the k-th id (target only)
+  int64_t tie_last;  // div_top_k: last tied id inside the top k
+  int32_t top_on;
+  int32_t pad;
+};
+
+// Per (row, position): the full-row sampling distributions, written by the chunk-0 block.
+struct PositionInfo {
+  Dist p, q;
+  int32_t flags_t, flags_d;
+  int32_t argmax_t;
+  int32_t pad;
+};
+
+struct AcceptWorkspace {
+  RowStat* chunk_stats = nullptr;  // [B, K+1, 2, splits]  (model 0 target, 1 draft)
+  FilterInfo* filters = nullptr;   // [B, K+1, 2]
+  PositionInfo* positions = nullptr;  // [B, K+1]
+  PassTwo* pass_two = nullptr;     // [B, K+1, splits]
+  uint32_t* counters = nullptr;    // [B]
+  int64_t splits = 1;
+  int64_t chunk = 0;               // ids per split
+};
+
+template <typename T>
+__device__ __forceinline__ const T* target_row(const AcceptProblem& pb, int64_t b, int64_t i) {
+  return static_cast<const T*>(pb.target_logits) + b * pb.target_stride_b + i * pb.target_stride_k;
+}
+template <typename T>
+__device__ __forceinline__ const T* draft_row(const AcceptProblem& pb, int64_t b, int64_t i) {
+  return static_cast<const T*>(pb.draft_logits) + b * pb.draft_stride_b + i * pb.draft_stride_k;
+}
+__device__ __forceinline__ int64_t row_num_draft(const AcceptProblem& pb, int64_t b) {
+  return pb.num_draft ? pb.num_draft[b] : pb.max_draft;
+}
+__device__ __forceinline__ int64_t draft_token(const AcceptProblem& pb, int64_t b, int64_t i) {
+  const int64_t at = b * pb.max_draft + i;
+  return pb.tokens_int32 ? (int64_t) static_cast<const int32_t*>(pb.draft_tokens)[at]
+                         : static_cast<const int64_t*>(pb.draft_tokens)[at];
+}
+
+// The inverse temperatures of row b: sampling (inv_s) and divergence (inv_d). When the divergence
+// compares the sampling distributions (or is not needed), or the row is greedy, they share one
+// value so the statistics pass computes one exponential per id.
+struct RowTemps {
+  float inv_s, inv_d;
+  bool greedy;
+};
+__device__ __forceinline__ RowTemps row_temps(const AcceptProblem& pb, int64_t b) {
+  RowTemps t;
+  const float tau = pb.temperature.at(b);
+  t.greedy = tau == 0.0f;
+  const bool div_own = pb.need_divergence && !pb.div_uses_sampling;
+  t.inv_d = div_own ? inverse_temperature(pb.div_temperature.at(b)) : 1.0f;
+  t.inv_s = t.greedy ? t.inv_d : inverse_temperature(tau);
+  if (!div_own) t.inv_d = t.inv_s;
+  return t;
+}
+
+template <typename U>
+__device__ __forceinline__ U load_coherent(const U* p) {  // data other blocks of this launch wrote
+  static_assert(sizeof(U) % 4 == 0, "word copy");
+  U out;
+  const unsigned int* src = reinterpret_cast<const unsigned int*>(p);
+  unsigned int* dst = reinterpret_cast<unsigned int*>(&out);
+#pragma unroll
+  for (int k = 0; k < (int)(sizeof(U) / 4); ++k) dst[k] = __ldcg(src + k);
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel 1.
+
+// Statistics (and, with filters, cutoffs and div_top_k thresholds) of one (row, position, chunk).
+template <typename T, bool kFiltered>
+__device__ __forceinline__ void position_stats(const AcceptProblem& pb, const AcceptWorkspace& ws, int64_t c,
+                                               int64_t i, int64_t b, int64_t nd) {
+  const int64_t positions = pb.max_draft + 1, splits = ws.splits;
+  const RowTemps temps = row_temps(pb, b);
+
+  __shared__ union {
+    typename StatReduce<T>::TempStorage stat;
+    typename cub::BlockReduce<double, kThreads>::TempStorage sum;
+  } temp;
+  __shared__ RowStat stat_out;
+  const int64_t begin = c * ws.chunk, end = min(pb.target_vocab, begin + ws.chunk);
+  const T* target = target_row<T>(pb, b, i);
+  const T* draft = draft_row<T>(pb, b, i);
+  const int64_t slot = (b * positions + i) * 2;
+  const RowStat st_t = block_row_stat(target, begin, end, temps.inv_s, temps.inv_d, temp.stat, stat_out);
+  if (threadIdx.x == 0) ws.chunk_stats[slot * splits + c] = st_t;
+  RowStat st_d = empty_stat();
+  if (i < nd) {
+    st_d = block_row_stat(draft, begin, min(end, pb.draft_vocab), temps.inv_s, temps.inv_d, temp.stat, stat_out);
+    if (threadIdx.x == 0) ws.chunk_stats[(slot + 1) * splits + c] = st_d;
+  }
+  if constexpr (kFiltered) {
+    // splits == 1 here: the statistics cover the whole row.
+    __shared__ SelectShared select;
+    __shared__ ScanShared scan;
+    __shared__ double shared_double;
+    FilterInfo info_t{st_t.sum_s, -kInf, 0u, -1, 0, 0};
+    FilterInfo info_d{st_d.sum_s, -kInf, 0u, -1, 0, 0};
+    const bool filtering = !temps.greedy && pb.filter.active();
+    if (filtering && stat_good(st_t.flags)) {
+      info_t.cut = block_filter_cutoff(target, pb.target_vocab, st_t.max, temps.inv_s, pb.filter, select, temp.sum,
+                                       shared_double);
+      info_t.sum = block_kept_sum(target, pb.target_vocab, st_t.max, temps.inv_s, info_t.cut, temp.sum, shared_double);
+    }
+    if (i < nd && filtering && stat_good(st_d.flags)) {
+      info_d.cut = block_filter_cutoff(draft, pb.draft_vocab, st_d.max, temps.inv_s, pb.filter, select, temp.sum,
+                                       shared_double);
+      info_d.sum = block_kept_sum(draft, pb.draft_vocab, st_d.max, temps.inv_s, info_d.cut, temp.sum, shared_double);
+    }
+    const int64_t top_k = pb.div_top_k;
+    if (pb.need_divergence && i < nd && top_k > 0 && top_k < pb.target_vocab && stat_good(st_t.flags) &&
+        stat_good(st_d.flags)) {
+      Dist pd;
+      if (!pb.div_uses_sampling) pd = softmax_dist(st_t.max, temps.inv_d, -kInf, (double)st_t.sum_d);
+      else if (temps.greedy) pd = one_hot_dist(st_t.max, st_t.argmax);
+      else pd = softmax_dist(st_t.max, temps.inv_s, info_t.cut, info_t.sum);
+      uint32_t greater;
+      const uint32_t key = block_select_kth(target, pb.target_vocab, (uint32_t)top_k,
+                                            [&](float z, int64_t id) { return rank_key(pd, z, id); }, select, greater);
+      const int64_t tie_last = block_nth_tie(pb.target_vocab, key, (uint32_t)top_k - greater, [&](int64_t id) {
+        return rank_key(pd, load_logit(target + id), id);
+      }, scan);
+      info_t.top_key = key;
+      info_t.tie_last = tie_last;
+      info_t.top_on = 1;
+    }
+    if (threadIdx.x == 0) {
+      ws.filters[slot] = info_t;
+      ws.filters[slot + 1] = info_d;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel 2.
+
+// Full-row statistics of (row, position, model) from its chunk records: max, argmax, flags and the
+// sums in double. Called by all 32 lanes of one warp (lanes stride over the chunks); the result is
+// valid in every lane.
+struct FullStat {
+  float max;
+  int32_t argmax, flags;
+  double sum_s, sum_d;
+};
+
+__device__ __forceinline__ FullStat warp_combine_chunks(const RowStat* chunks, int64_t splits, float inv_s,
+                                                        float inv_d) {
+  const int lane = threadIdx.x & 31;
+  FullStat out{-kInf, INT32_MAX, 0, 0.0, 0.0};
+  for (int64_t c = lane; c < splits; c += 32) {  // a lane's chunks ascend: its first max has the lowest id
+    const RowStat s = chunks[c];
+    out.flags |= s.flags;
+    if (s.max > out.max) out.max = s.max, out.argmax = s.argmax;
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const float other_max = __shfl_xor_sync(0xFFFFFFFFu, out.max, offset);
+    const int32_t other_arg = __shfl_xor_sync(0xFFFFFFFFu, out.argmax, offset);
+    out.flags |= __shfl_xor_sync(0xFFFFFFFFu, out.flags, offset);
+    if (other_max > out.max || (other_max == out.max && other_arg < out.argmax)) {
+      out.max = other_max;
+      out.argmax = other_arg;
+    }
+  }
+  if (out.max == -kInf) return out;
+  for (int64_t c = lane; c < splits; c += 32) {
+    const RowStat s = chunks[c];
+    if (s.max == -kInf) continue;
+    out.sum_s += (double)s.sum_s * (s.max == out.max ? 1.0 : (double)expf((s.max - out.max) * inv_s));
+    out.sum_d += (double)s.sum_d * (s.max == out.max ? 1.0 : (double)expf((s.max - out.max) * inv_d));
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    out.sum_s += __shfl_xor_sync(0xFFFFFFFFu, out.sum_s, offset);
+    out.sum_d += __shfl_xor_sync(0xFFFFFFFFu, out.sum_d, offset);
+  }
+  return out;
+}
+
+// Sum over chunks of a per-chunk double (warp-wide, valid in every lane).
+template <typename F>
+__device__ __forceinline__ double warp_sum_chunks(int64_t splits, F value_of) {
+  double sum = 0.0;
+  for (int64_t c = threadIdx.x & 31; c < splits; c += 32) sum += value_of(c);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, offset);
+  return sum;
+}
+
+// Sampling distribution (p or q) of one (row, position, model).
+__device__ __forceinline__ Dist sampling_dist(const FullStat& s, const RowTemps& t, const FilterInfo* filter) {
+  if (t.greedy) return one_hot_dist(s.max, s.argmax);
+  return softmax_dist(s.max, t.inv_s, filter ? filter->cut : -kInf, filter ? filter->sum : s.sum_s);
+}
+
+// The distribution the divergence compares.
+__device__ __forceinline__ Dist divergence_dist(const FullStat& s, const RowTemps& t, const Dist& sampling,
+                                                bool uses_sampling) {
+  if (uses_sampling) return sampling;
+  return softmax_dist(s.max, t.inv_d, -kInf, s.sum_d);
+}
+
+enum SampleMode : int32_t { kModeDone = 0, kModeTarget = 1, kModeResidual = 2 };
+
+struct FinalShared {
+  ScanShared scan;
+  int64_t at;
+  int64_t chunk;       // the chunk the sample lies in (-1: rounding ran past the end)
+  int64_t last_chunk;  // the last chunk with positive weight
+  double base, target;
+  int32_t mode;
+};
+
+// The last block of row b: validity, divergences, the acceptance scan, the correction / bonus token.
+// Serial parts run on thread 0, sums over chunks on warp 0, the inverse-CDF scan on the block.
+template <typename T>
+__device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, int64_t b, FinalShared& sh) {
+  const int64_t k = pb.max_draft, positions = k + 1, splits = ws.splits;
+  const int64_t nd = row_num_draft(pb, b);
+  const bool bucketed = pb.div_top_k > 0 && pb.div_top_k < pb.target_vocab;
+  const float kNaN = __int_as_float(0x7FC00000);
+  int64_t* tokens = pb.tokens + b * positions;
+  const PositionInfo* infos = ws.positions + b * positions;
+  const PassTwo* row_pass_two = ws.pass_two + b * positions * splits;
+
+  // 1. Validity: one thread per position checks its flags and draft id.
+  const bool nd_ok = nd >= 0 && nd <= k;
+  bool position_ok = true;
+  for (int64_t i = threadIdx.x; nd_ok && i <= nd; i += blockDim.x) {
+    const PositionInfo info = load_coherent(infos + i);
+    position_ok = position_ok && stat_good(info.flags_t) && (i == nd || stat_good(info.flags_d));
+    if (i < nd) {
+      const int64_t token = draft_token(pb, b, i);
+      position_ok = position_ok && token >= 0 && token < pb.draft_vocab;
+    }
+  }
+  const bool valid = __syncthreads_and(nd_ok && position_ok) != 0;
+  for (int64_t i = threadIdx.x; i <= k; i += blockDim.x) tokens[i] = -1;
+  for (int64_t i = threadIdx.x; i < k; i += blockDim.x)
+    if (!valid || i >= nd || !pb.need_divergence) pb.divergences[b * k + i] = kNaN;
+  if (threadIdx.x == 0) {
+    pb.valid[b] = valid;
+    pb.num_accepted[b] = 0;
+    sh.mode = kModeDone;
+  }
+  __syncthreads();
+  if (!valid) return;
+
+  // 2. Divergences of the used positions: one warp per position sums its chunk records.
+  if (pb.need_divergence) {
+    const int64_t warps = blockDim.x / 32;
+    for (int64_t i = threadIdx.x / 32; i < nd; i += warps) {
+      const PassTwo* parts = row_pass_two + i * splits;
+      PassTwo sums;
+      sums.div = warp_sum_chunks(splits, [&](int64_t c) { return __ldcg(&parts[c].div); });
+      if (bucketed) {
+        sums.rest_p = warp_sum_chunks(splits, [&](int64_t c) { return __ldcg(&parts[c].rest_p); });
+        sums.rest_q = warp_sum_chunks(splits, [&](int64_t c) { return __ldcg(&parts[c].rest_q); });
+      }
+      if ((threadIdx.x & 31) == 0) pb.divergences[b * k + i] = finish_pass_two(pb.divergence, sums, bucketed);
+    }
+  }
+  __syncthreads();
+
+  // 3. Acceptance scan: every used position's decision in parallel (one thread each; the coins
+  //    are counter-based, so deciding speculatively changes nothing), then the first rejection.
+  const float threshold = pb.threshold.at(b);
+  int64_t accepted = nd;
+  for (int64_t first = 0; first < nd; first += blockDim.x) {
+    const int64_t i = first + threadIdx.x;
+    int64_t rejected = INT64_MAX;
+    if (i < nd) {
+      const int64_t token = draft_token(pb, b, i);
+      const PositionInfo info = load_coherent(infos + i);
+      const double p_token = exp(info.p.log_prob_precise(load_logit(target_row<T>(pb, b, i) + token), token));
+      const double q_token = exp(info.q.log_prob_precise(load_logit(draft_row<T>(pb, b, i) + token), token));
+      const double coin = draw_uniform(pb.key, b, i, Purpose::Accept);
+      const bool is_argmax = token == info.argmax_t;
+      if (!accept_draft(pb.rule, pb.divergences[b * k + i], threshold, coin, p_token, q_token, is_argmax))
+        rejected = i;
+    }
+    const int64_t first_rejected = cub::BlockReduce<int64_t, kThreads>(sh.scan.reduce).Reduce(rejected, MinOp());
+    if (threadIdx.x == 0) sh.at = first_rejected;
+    __syncthreads();
+    const int64_t found = sh.at;
+    __syncthreads();
+    if (found != INT64_MAX) {
+      accepted = found;
+      break;
+    }
+  }
+  for (int64_t i = threadIdx.x; i < accepted; i += blockDim.x) tokens[i] = draft_token(pb, b, i);
+  if (threadIdx.x == 0) {
+    pb.num_accepted[b] = accepted;
+    sh.at = accepted;
+    const PositionInfo info = load_coherent(infos + accepted);
+    const Emit emit = accepted < nd ? correction_emit(pb.rule) : bonus_emit(pb.rule);
+    if (emit == Emit::TargetArgmax || info.p.one_hot >= 0) {
+      tokens[accepted] = emit == Emit::TargetArgmax ? info.argmax_t : info.p.one_hot;
+      sh.mode = kModeDone;
+    } else {
+      sh.mode = emit == Emit::Residual ? kModeResidual : kModeTarget;
+    }
+  }
+  __syncthreads();
+  if (sh.mode == kModeDone) return;
+  const int64_t at = sh.at;
+  const PositionInfo info = load_coherent(infos + at);
+
+  // 4. Chunk totals of the weights (warp 0): residual max(0, p - q), or exp(s) for p; the chunk
+  //    holding u * total.
+  if (threadIdx.x < 32) {
+    const PassTwo* parts = row_pass_two + at * splits;
+    int32_t mode = sh.mode;
+    if (mode == kModeResidual) {
+      const double mass = warp_sum_chunks(splits, [&](int64_t c) { return __ldcg(&parts[c].residual); });
+      if (!(mass > kResidualMassEps)) mode = kModeTarget;  // p == q up to rounding: sample p
+    }
+    const RowStat* chunks = ws.chunk_stats + ((b * positions + at) * 2) * splits;
+    auto chunk_total = [&](int64_t c) -> double {
+      if (mode == kModeResidual) return __ldcg(&parts[c].residual);
+      if (splits == 1) return info.p.sum;
+      const RowStat s = chunks[c];
+      if (s.max == -kInf) return 0.0;
+      return (double)s.sum_s * (s.max == info.p.max ? 1.0 : (double)expf((s.max - info.p.max) * info.p.inv));
+    };
+    const double total = warp_sum_chunks(splits, chunk_total);
+    const double u = draw_uniform(pb.key, b, at, Purpose::Sample);
+    const double target = u * total;
+    // Inclusive scan over the chunks in rounds of 32.
+    const int lane = threadIdx.x & 31;
+    double base = 0.0;
+    int64_t chosen = -1, last_chunk = 0;
+    for (int64_t round = 0; round < splits; round += 32) {
+      const int64_t c = round + lane;
+      const double w = c < splits ? chunk_total(c) : 0.0;
+      double inclusive = w;
+#pragma unroll
+      for (int offset = 1; offset < 32; offset <<= 1) {
+        const double other = __shfl_up_sync(0xFFFFFFFFu, inclusive, offset);
+        if (lane >= offset) inclusive += other;
+      }
+      const unsigned positive = __ballot_sync(0xFFFFFFFFu, w > 0.0);
+      if (positive) last_chunk = round + 31 - __clz(positive);
+      if (chosen < 0) {
+        const unsigned crossing = __ballot_sync(0xFFFFFFFFu, c < splits && base + inclusive > target);
+        if (crossing) {
+          const int first = __ffs(crossing) - 1;
+          chosen = round + first;
+          base += __shfl_sync(0xFFFFFFFFu, inclusive - w, first);
+        } else {
+          base += __shfl_sync(0xFFFFFFFFu, inclusive, 31);
+        }
+      }
+    }
+    if (threadIdx.x == 0) {
+      sh.mode = mode;
+      sh.chunk = chosen;
+      sh.last_chunk = last_chunk;
+      sh.base = base;
+      sh.target = target;
+    }
+  }
+  __syncthreads();
+
+  // 5. Inverse CDF inside the chosen chunk (block scan over tiles).
+  const int32_t mode = sh.mode;
+  const T* target = target_row<T>(pb, b, at);
+  const T* draft = draft_row<T>(pb, b, at);
+  const int64_t draft_vocab = at < nd ? pb.draft_vocab : 0;
+  auto weight = [&](int64_t j) -> float {
+    const float zt = load_logit(target + j);
+    if (mode == kModeTarget) return info.p.weight(zt);
+    const float pp = info.p.prob(zt, j);
+    const float qq = j < draft_vocab ? info.q.prob(load_logit(draft + j), j) : 0.0f;
+    return pp > qq ? pp - qq : 0.0f;
+  };
+  const int64_t chosen = sh.chunk, last_chunk = sh.last_chunk;
+  const double base = sh.base, target_mass = sh.target;
+  int64_t last_positive = -1, token = -1;
+  if (chosen >= 0) {
+    const int64_t begin = chosen * ws.chunk, end = min(pb.target_vocab, begin + ws.chunk);
+    token = block_inverse_cdf(begin, end, base, target_mass, weight, sh.scan, last_positive);
+    if (token < 0) token = last_positive;
+  }
+  if (token < 0) {  // u * total rounded past the end: the last positive-weight id
+    const int64_t begin = last_chunk * ws.chunk, end = min(pb.target_vocab, begin + ws.chunk);
+    block_inverse_cdf(begin, end, 0.0, (double)kInf, weight, sh.scan, last_positive);
+    token = last_positive >= 0 ? last_positive : info.argmax_t;
+  }
+  if (threadIdx.x == 0) tokens[at] = token;
+}
+
+struct DecideShared {
+  Dist dists[4];  // p, q, pd, qd
+  TopBuckets top;
+  int32_t good;
+  bool last_block;
+  union {
+    typename cub::BlockReduce<PassTwo, kThreads>::TempStorage reduce;
+    FinalShared final_shared;
+  } temp;
+};
+
+// Pass 2 of one (row, position, chunk) and, in the last block of the row to get there, the row's
+// finish. Every block of the grid calls it exactly once (the counter counts them all).
+template <typename T>
+__device__ __forceinline__ void decide_position(const AcceptProblem& pb, const AcceptWorkspace& ws, int64_t c,
+                                                int64_t i, int64_t b, bool reverse, DecideShared& sh) {
+  const int64_t k = pb.max_draft, positions = k + 1, splits = ws.splits;
+  const int64_t nd = row_num_draft(pb, b);
+  const RowTemps temps = row_temps(pb, b);
+  if (nd >= 0 && nd <= k && i <= nd) {
+    if (threadIdx.x < 32) {  // warp 0 combines the chunk records of this position
+      const int64_t slot = (b * positions + i) * 2;
+      const bool filtered = ws.splits == 1 && ws.filters != nullptr;
+      const FullStat st_t = warp_combine_chunks(ws.chunk_stats + slot * splits, splits, temps.inv_s, temps.inv_d);
+      FullStat st_d{-kInf, INT32_MAX, 0, 0.0, 0.0};
+      if (i < nd) st_d = warp_combine_chunks(ws.chunk_stats + (slot + 1) * splits, splits, temps.inv_s, temps.inv_d);
+      if (threadIdx.x == 0) {
+        const Dist p = sampling_dist(st_t, temps, filtered ? ws.filters + slot : nullptr);
+        const Dist q = i < nd ? sampling_dist(st_d, temps, filtered ? ws.filters + slot + 1 : nullptr)
+                              : one_hot_dist(0.0f, 0);
+        sh.dists[0] = p;
+        sh.dists[1] = q;
+        sh.dists[2] = divergence_dist(st_t, temps, p, pb.div_uses_sampling);
+        sh.dists[3] = divergence_dist(st_d, temps, q, pb.div_uses_sampling);
+        sh.good = stat_good(st_t.flags) && (i == nd || stat_good(st_d.flags));
+        TopBuckets t = no_buckets();
+        if (filtered && ws.filters[slot].top_on) {
+          t.on = true;
+          t.key = ws.filters[slot].top_key;
+          t.tie_last = ws.filters[slot].tie_last;
+        }
+        sh.top = t;
+        if (c == 0) ws.positions[b * positions + i] = PositionInfo{p, q, st_t.flags, st_d.flags, st_t.argmax, 0};
+      }
+    }
+    __syncthreads();
+    const bool need_residual = (pb.rule == Rule::SD || pb.rule == Rule::FSD) && !temps.greedy;
+    if (i < nd && sh.good && (pb.need_divergence || need_residual)) {
+      const int64_t begin = c * ws.chunk, end = min(pb.target_vocab, begin + ws.chunk);
+      PassTwo acc;
+      const Dist p = sh.dists[0], q = sh.dists[1], pd = sh.dists[2], qd = sh.dists[3];
+      const TopBuckets tb = sh.top;
+      with_divergence(pb.divergence, [&](auto tag) {
+        pass_two<decltype(tag)::value>(target_row<T>(pb, b, i), draft_row<T>(pb, b, i), begin, end, pb.draft_vocab,
+                                       pd, qd, p, q, pb.need_divergence, need_residual, tb, reverse, acc);
+      });
+      const PassTwo sums = cub::BlockReduce<PassTwo, kThreads>(sh.temp.reduce).Reduce(acc, PassTwoSum());
+      if (threadIdx.x == 0) ws.pass_two[(b * positions + i) * splits + c] = sums;
+    }
+  }
+  // The last block of row b to get here finishes the row.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const uint32_t done = atomicAdd(ws.counters + b, 1u);
+    sh.last_block = done == (uint32_t)(splits * positions - 1);
+  }
+  __syncthreads();
+  if (!sh.last_block) return;
+  __threadfence();
+  finish_row<T>(pb, ws, b, sh.temp.final_shared);
+}
+
+// Split path (splits > 1), second launch.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2) accept_decide_kernel(const AcceptProblem pb, const AcceptWorkspace ws) {
+  const int64_t positions = pb.max_draft + 1, splits = ws.splits;
+  const int64_t c = blockIdx.x % splits, i = (blockIdx.x / splits) % positions, b = blockIdx.x / (splits * positions);
+  __shared__ DecideShared sh;
+  decide_position<T>(pb, ws, c, i, b, false, sh);
+}
+
+// First launch: statistics per (row, position, chunk); with splits == 1 also everything else.
+template <typename T, bool kFiltered, bool kFused>
+__global__ void __launch_bounds__(kThreads, kFused ? 2 : 4) accept_stats_kernel(const AcceptProblem pb, const AcceptWorkspace ws) {
+  const int64_t k = pb.max_draft, positions = k + 1, splits = ws.splits;
+  const int64_t c = blockIdx.x % splits, i = (blockIdx.x / splits) % positions, b = blockIdx.x / (splits * positions);
+  // Split path: kernel 2 counts finished blocks from 0 (fused path: the launcher zeroes them).
+  if (!kFused && c == 0 && i == 0 && threadIdx.x == 0) ws.counters[b] = 0;
+  const int64_t nd = row_num_draft(pb, b);
+  if (nd >= 0 && nd <= k && i <= nd) position_stats<T, kFiltered>(pb, ws, c, i, b, nd);
+  if constexpr (kFused) {
+    // splits == 1: this block holds the whole row; pass 2 right away, backwards, so the ids read
+    // last in pass 1 are still in L2.
+    __shared__ DecideShared sh;
+    __syncthreads();
+    decide_position<T>(pb, ws, c, i, b, true, sh);
+  }
+}
+
+}  // namespace cuda
+}  // namespace fsd

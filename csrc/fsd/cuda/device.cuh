@@ -1,0 +1,697 @@
+// Device building blocks of the CUDA kernels (framework-free: CUDA runtime, CUB and fsd headers).
+//
+//   - logit loads: float / bfloat16 / float16 to float, +inf clamped to FLT_MAX, 16-byte vectors
+//     with scalar head and tail so any row alignment and any vocabulary size works;
+//   - RowStat: online-softmax statistics of one vocabulary range (max, lowest argmax, sums of
+//     exponentials at two temperatures, NaN / finite flags) and their merge;
+//   - Dist: a distribution over a row described by a few scalars (as in the CPU kernel);
+//   - block-wide radix select (top-k / top-p cutoffs, div_top_k), inverse-CDF sampling over a
+//     range (block scan over tiles), reductions.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <cstdint>
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
+
+#include "fsd/common.h"
+#include "fsd/rules.h"
+
+namespace fsd {
+namespace cuda {
+
+constexpr int kThreads = 256;  // threads per block of every kernel
+// Register budgets (__launch_bounds__ minimum blocks per SM): ptxas otherwise sometimes settles on
+// 64 registers and spills. Streaming statistics: 4 blocks (<= 64 registers); the decision kernel
+// (pass 2 + the row finish): 2 blocks (<= 128); the filter path: 1 block.
+constexpr int kScanItems = 8;  // contiguous ids per thread in the sampling / tie scans
+constexpr float kInf = __builtin_huge_valf();
+
+// Storage types of the logits (bit patterns; converted to float on load).
+struct BFloat16 { uint16_t bits; };
+struct Float16 { uint16_t bits; };
+
+__device__ __forceinline__ float clamp_logit(float x) { return x == kInf ? FLT_MAX : x; }
+
+__device__ __forceinline__ float raw_to_float(float x) { return x; }
+__device__ __forceinline__ float raw_to_float(BFloat16 x) { return __uint_as_float((uint32_t)x.bits << 16); }
+__device__ __forceinline__ float raw_to_float(Float16 x) {
+  float out;
+  asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(out) : "h"(x.bits));
+  return out;
+}
+
+// One logit, unclamped (the bad-row check needs to see +inf as non-finite).
+template <typename T>
+__device__ __forceinline__ float load_raw(const T* p) {
+  return raw_to_float(*p);
+}
+
+template <typename T>
+__device__ __forceinline__ float load_logit(const T* p) {
+  return clamp_logit(load_raw(p));
+}
+
+template <typename T>
+struct VecWidth {
+  static constexpr int value = 16 / sizeof(T);
+};
+
+// N = 16 / sizeof(T) raw values from a 16-byte aligned address.
+template <typename T>
+__device__ __forceinline__ void load_vec_raw(const T* p, float (&out)[VecWidth<T>::value]) {
+  const uint4 word = __ldg(reinterpret_cast<const uint4*>(p));
+  const uint32_t w[4] = {word.x, word.y, word.z, word.w};
+  if constexpr (sizeof(T) == 4) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = __uint_as_float(w[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      T lo, hi;
+      lo.bits = (uint16_t)(w[i] & 0xFFFFu);
+      hi.bits = (uint16_t)(w[i] >> 16);
+      out[2 * i] = raw_to_float(lo);
+      out[2 * i + 1] = raw_to_float(hi);
+    }
+  }
+}
+
+template <int N>
+using Width = std::integral_constant<int, N>;
+
+// The block's threads visit ids [begin, end) of `row`: f(id, values, Width<n>) with n raw values at
+// ids id..id+n-1 (n = the vector width in the aligned body, 1 in the head and tail).
+template <typename T, typename F>
+__device__ __forceinline__ void block_for_each(const T* __restrict__ row, int64_t begin, int64_t end, F&& f) {
+  constexpr int N = VecWidth<T>::value;
+  if (end <= begin) return;
+  const int64_t misalign = (int64_t)((reinterpret_cast<uintptr_t>(row + begin) % 16) / sizeof(T));
+  const int64_t head_end = misalign ? min(end, begin + (N - misalign)) : begin;
+  for (int64_t j = begin + threadIdx.x; j < head_end; j += blockDim.x) {
+    float v[N];
+    v[0] = load_raw(row + j);
+    f(j, v, Width<1>{});
+  }
+  const int64_t vectors = (end - head_end) / N;
+#pragma unroll 2
+  for (int64_t t = threadIdx.x; t < vectors; t += blockDim.x) {
+    float v[N];
+    load_vec_raw(row + head_end + t * N, v);
+    f(head_end + t * N, v, Width<N>{});
+  }
+  for (int64_t j = head_end + vectors * N + threadIdx.x; j < end; j += blockDim.x) {
+    float v[N];
+    v[0] = load_raw(row + j);
+    f(j, v, Width<1>{});
+  }
+}
+
+// The block visits ids [begin, end) of a target row and a draft row at once:
+// f(id, target_values, draft_values, Width<n>). Ids >= draft_end get draft value -inf (the draft
+// vocabulary is smaller). Vector loads for the target; for the draft too when both rows share the
+// same 16-byte phase.
+// With `reverse` the aligned body is walked from its end (pass 2 right after pass 1: the ids read
+// last are the likeliest still in L2).
+template <typename T, typename F>
+__device__ __forceinline__ void block_for_each_pair(const T* __restrict__ target, const T* __restrict__ draft,
+                                                    int64_t begin, int64_t end, int64_t draft_end, bool reverse,
+                                                    F&& f) {
+  constexpr int N = VecWidth<T>::value;
+  const int64_t both_end = max(begin, min(end, draft_end));
+  if (both_end > begin) {
+    const int64_t misalign = (int64_t)((reinterpret_cast<uintptr_t>(target + begin) % 16) / sizeof(T));
+    const bool same_phase =
+        reinterpret_cast<uintptr_t>(target + begin) % 16 == reinterpret_cast<uintptr_t>(draft + begin) % 16;
+    const int64_t head_end = misalign ? min(both_end, begin + (N - misalign)) : begin;
+    for (int64_t j = begin + threadIdx.x; j < head_end; j += blockDim.x) {
+      float a[N], b[N];
+      a[0] = load_raw(target + j);
+      b[0] = load_raw(draft + j);
+      f(j, a, b, Width<1>{});
+    }
+    const int64_t vectors = (both_end - head_end) / N;
+    for (int64_t t = threadIdx.x; t < vectors; t += blockDim.x) {
+      const int64_t j = head_end + (reverse ? vectors - 1 - t : t) * N;
+      float a[N], b[N];
+      load_vec_raw(target + j, a);
+      if (same_phase) {
+        load_vec_raw(draft + j, b);
+      } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) b[i] = load_raw(draft + j + i);
+      }
+      f(j, a, b, Width<N>{});
+    }
+    for (int64_t j = head_end + vectors * N + threadIdx.x; j < both_end; j += blockDim.x) {
+      float a[N], b[N];
+      a[0] = load_raw(target + j);
+      b[0] = load_raw(draft + j);
+      f(j, a, b, Width<1>{});
+    }
+  }
+  if (end > both_end) {
+    block_for_each(target, both_end, end, [&](int64_t j, const float* a, auto width) {
+      float b[N];
+#pragma unroll
+      for (int i = 0; i < N; ++i) b[i] = -kInf;
+      f(j, a, b, width);
+    });
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Online-softmax statistics of a range of one vocabulary row.
+
+enum StatFlags : int32_t { kHasNaN = 1, kHasFinite = 2 };
+
+struct RowStat {
+  float max;       // clamped maximum (-inf when the range has no value above -inf)
+  int32_t argmax;  // lowest id holding the maximum (INT32_MAX when none)
+  float sum_s;     // sum of exp((z - max) * inv_s): sampling temperature
+  float sum_d;     // sum of exp((z - max) * inv_d): divergence temperature
+  int32_t flags;   // StatFlags
+};
+
+__device__ __forceinline__ RowStat empty_stat() { return RowStat{-kInf, INT32_MAX, 0.0f, 0.0f, 0}; }
+
+__device__ __forceinline__ float rescale(float sum, float from_max, float to_max, float inv) {
+  if (from_max == to_max) return sum;
+  return from_max == -kInf ? 0.0f : sum * expf((from_max - to_max) * inv);
+}
+
+struct StatMerge {
+  float inv_s, inv_d;
+  __device__ __forceinline__ RowStat operator()(const RowStat& a, const RowStat& b) const {
+    RowStat out;
+    out.max = a.max > b.max ? a.max : b.max;
+    out.argmax = a.max > b.max ? a.argmax : (b.max > a.max ? b.argmax : min(a.argmax, b.argmax));
+    out.sum_s = rescale(a.sum_s, a.max, out.max, inv_s) + rescale(b.sum_s, b.max, out.max, inv_s);
+    out.sum_d = rescale(a.sum_d, a.max, out.max, inv_d) + rescale(b.sum_d, b.max, out.max, inv_d);
+    out.flags = a.flags | b.flags;
+    return out;
+  }
+};
+
+// Adds n raw values at ids id.. to a thread's statistics: one rescale per vector at most.
+template <int N>
+__device__ __forceinline__ void stat_add(RowStat& st, int64_t id, const float* raw, int n_valid, float inv_s,
+                                         float inv_d, bool same_inv) {
+  float x[N];
+  float vmax = -kInf;
+  int32_t varg = INT32_MAX;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if (i >= n_valid) break;
+    const float r = raw[i];
+    st.flags |= (r != r ? kHasNaN : 0) | (fabsf(r) < kInf ? kHasFinite : 0);
+    x[i] = clamp_logit(r);
+    if (x[i] > vmax) vmax = x[i], varg = (int32_t)(id + i);
+  }
+  if (vmax > st.max) {
+    st.sum_s = rescale(st.sum_s, st.max, vmax, inv_s);
+    st.sum_d = rescale(st.sum_d, st.max, vmax, inv_d);
+    st.max = vmax;
+    st.argmax = varg;
+  }
+  if (st.max == -kInf) return;  // nothing above -inf yet: every value contributes 0
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if (i >= n_valid) break;
+    const float diff = x[i] - st.max;
+    const float es = expf(diff * inv_s);
+    st.sum_s += es;
+    st.sum_d += same_inv ? es : expf(diff * inv_d);
+  }
+}
+
+template <typename T>
+using StatReduce = cub::BlockReduce<RowStat, kThreads>;
+
+// Block-wide statistics of ids [begin, end) of `row`; the result is valid in every thread.
+template <typename T>
+__device__ __forceinline__ RowStat block_row_stat(const T* __restrict__ row, int64_t begin, int64_t end, float inv_s, float inv_d,
+                                  typename StatReduce<T>::TempStorage& temp, RowStat& shared_out) {
+  RowStat st = empty_stat();
+  const bool same_inv = inv_s == inv_d;
+  block_for_each(row, begin, end, [&](int64_t j, const float* v, auto width) {
+    constexpr int N = decltype(width)::value;
+    stat_add<N>(st, j, v, N, inv_s, inv_d, same_inv);
+  });
+  const RowStat total = StatReduce<T>(temp).Reduce(st, StatMerge{inv_s, inv_d});
+  if (threadIdx.x == 0) shared_out = total;
+  __syncthreads();
+  const RowStat out = shared_out;
+  __syncthreads();
+  return out;
+}
+
+__device__ __forceinline__ bool stat_good(int32_t flags) { return !(flags & kHasNaN) && (flags & kHasFinite); }
+
+__device__ __forceinline__ float inverse_temperature(float tau) {
+  const float inv = 1.0f / tau;
+  return inv < FLT_MAX ? inv : FLT_MAX;
+}
+
+// ---------------------------------------------------------------------------------------------
+// A distribution over one vocabulary row:
+//   s_j = (z_j - max) * inv,  log p_j = s_j - log_sum if s_j >= cut, else -inf;  or one-hot.
+struct Dist {
+  float max;
+  float inv;
+  float cut;       // filter cutoff in s-space (-inf: none)
+  float log_sum;   // (float) log(sum)
+  double sum;      // sum over kept ids of exp(s_j)
+  int32_t one_hot; // >= 0: one-hot at this id (temperature 0)
+
+  __device__ __forceinline__ float scaled(float z) const { return (z - max) * inv; }
+  __device__ __forceinline__ float log_prob(float z, int64_t id) const {
+    if (one_hot >= 0) return id == one_hot ? 0.0f : -kInf;
+    const float s = scaled(z);
+    return s >= cut ? s - log_sum : -kInf;
+  }
+  __device__ __forceinline__ float prob(float z, int64_t id) const {
+    const float lp = log_prob(z, id);
+    return lp > -kInf ? expf(lp) : 0.0f;
+  }
+  // log p in double (the acceptance decision).
+  __device__ __forceinline__ double log_prob_precise(float z, int64_t id) const {
+    if (one_hot >= 0) return id == one_hot ? 0.0 : -(double)kInf;
+    const float s = scaled(z);
+    return s >= cut ? (double)s - log(sum) : -(double)kInf;
+  }
+  // The unnormalised sampling weight exp(s_j) of a kept id (what p-sampling scans).
+  __device__ __forceinline__ float weight(float z) const {
+    const float s = scaled(z);
+    return s >= cut ? expf(s) : 0.0f;
+  }
+};
+
+__device__ __forceinline__ Dist one_hot_dist(float max, int32_t id) {
+  return Dist{max, 1.0f, -kInf, 0.0f, 1.0, id};
+}
+
+__device__ __forceinline__ Dist softmax_dist(float max, float inv, float cut, double sum) {
+  return Dist{max, inv, cut, (float)log(sum), sum, -1};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block-wide radix select on order-preserving 32-bit keys of floats.
+
+__device__ __forceinline__ uint32_t float_key(float x) {
+  const uint32_t u = __float_as_uint(x);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ float key_float(uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
+}
+
+struct SelectShared {
+  union {
+    uint32_t count[256];
+    double mass[256];
+  } hist;
+  uint32_t prefix, remaining_count, greater;
+  double remaining_mass;
+  int32_t found;
+};
+
+// The largest key v such that #{ids with key >= v} >= k (the k-th largest key, ties counted), over
+// ids [0, n) of `row` where key_of(z, id) gives each id's key. Also returns #{key > v} in `greater`.
+// All threads call it; results valid in all threads.
+template <typename T, typename KeyFn>
+__device__ __forceinline__ uint32_t block_select_kth(const T* __restrict__ row, int64_t n, uint32_t k, KeyFn key_of,
+                                     SelectShared& sh, uint32_t& greater) {
+  if (threadIdx.x == 0) sh.prefix = 0, sh.remaining_count = k, sh.greater = 0;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) sh.hist.count[i] = 0;
+    __syncthreads();
+    const uint32_t prefix = sh.prefix;
+    const uint32_t high_mask = shift == 24 ? 0u : (0xFFFFFFFFu << (shift + 8));
+    block_for_each(row, 0, n, [&](int64_t j, const float* v, auto width) {
+      constexpr int N = decltype(width)::value;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const uint32_t key = key_of(clamp_logit(v[i]), j + i);
+        if ((key & high_mask) == (prefix & high_mask)) atomicAdd(&sh.hist.count[(key >> shift) & 0xFFu], 1u);
+      }
+    });
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint32_t above = 0;
+      int digit = 0;
+      for (int d = 255; d >= 0; --d) {
+        if (above + sh.hist.count[d] >= sh.remaining_count) { digit = d; break; }
+        above += sh.hist.count[d];
+      }
+      sh.remaining_count -= above;
+      sh.greater += above;
+      sh.prefix |= (uint32_t)digit << shift;
+    }
+    __syncthreads();
+  }
+  const uint32_t out = sh.prefix;
+  greater = sh.greater;
+  __syncthreads();
+  return out;
+}
+
+// The largest key v such that sum over {key >= v} of weight >= target_mass, among ids where
+// weight_of > 0 (weight_of(z, id, key&)). Returns false (no cutoff) when the total never reaches it.
+template <typename T, typename WeightKeyFn>
+__device__ __forceinline__ bool block_select_mass(const T* __restrict__ row, int64_t n, double target_mass, WeightKeyFn weight_of,
+                                  SelectShared& sh, uint32_t& out_key) {
+  if (threadIdx.x == 0) sh.prefix = 0, sh.remaining_mass = target_mass, sh.found = 1;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int i = threadIdx.x; i < 256; i += blockDim.x) sh.hist.mass[i] = 0.0;
+    __syncthreads();
+    const uint32_t prefix = sh.prefix;
+    const uint32_t high_mask = shift == 24 ? 0u : (0xFFFFFFFFu << (shift + 8));
+    block_for_each(row, 0, n, [&](int64_t j, const float* v, auto width) {
+      constexpr int N = decltype(width)::value;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        uint32_t key;
+        const float w = weight_of(clamp_logit(v[i]), j + i, key);
+        if (w > 0.0f && (key & high_mask) == (prefix & high_mask))
+          atomicAdd(&sh.hist.mass[(key >> shift) & 0xFFu], (double)w);
+      }
+    });
+    __syncthreads();
+    if (threadIdx.x == 0 && sh.found) {
+      double above = 0.0;
+      int digit = -1;
+      for (int d = 255; d >= 0; --d) {
+        if (above + sh.hist.mass[d] >= sh.remaining_mass) { digit = d; break; }
+        above += sh.hist.mass[d];
+      }
+      if (digit < 0) {
+        sh.found = 0;
+      } else {
+        sh.remaining_mass -= above;
+        sh.prefix |= (uint32_t)digit << shift;
+      }
+    }
+    __syncthreads();
+  }
+  const bool found = sh.found != 0;
+  out_key = sh.prefix;
+  __syncthreads();
+  return found;
+}
+
+// Filter cutoff in s-space for a row with statistics (max, inv): top-k, then top-p on the top-k
+// set, then min-p (see SamplingFilter). -inf when no filter is on.
+template <typename T>
+__device__ __forceinline__ float block_filter_cutoff(const T* __restrict__ row, int64_t n, float max, float inv,
+                                     const SamplingFilter& filter, SelectShared& sh,
+                                     typename cub::BlockReduce<double, kThreads>::TempStorage& reduce_temp,
+                                     double& shared_double) {
+  float cut = -kInf;
+  if (filter.top_k > 0 && filter.top_k < n) {
+    uint32_t greater;
+    const uint32_t key = block_select_kth(row, n, (uint32_t)filter.top_k,
+                                          [&](float z, int64_t) { return float_key((z - max) * inv); }, sh, greater);
+    cut = key_float(key);
+  }
+  if (filter.top_p < 1.0f) {
+    double part = 0.0;
+    block_for_each(row, 0, n, [&](int64_t, const float* v, auto width) {
+      constexpr int N = decltype(width)::value;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const float s = (clamp_logit(v[i]) - max) * inv;
+        part += (s >= cut && s > -kInf) ? (double)expf(s) : 0.0;
+      }
+    });
+    const double kept_total = cub::BlockReduce<double, kThreads>(reduce_temp).Sum(part);
+    if (threadIdx.x == 0) shared_double = kept_total;
+    __syncthreads();
+    const double target = (double)filter.top_p * shared_double;
+    __syncthreads();
+    uint32_t key;
+    const float topk_cut = cut;
+    const bool found = block_select_mass(row, n, target, [&](float z, int64_t, uint32_t& k) {
+      const float s = (z - max) * inv;
+      k = float_key(s);
+      return (s >= topk_cut && s > -kInf) ? expf(s) : 0.0f;
+    }, sh, key);
+    if (found) cut = fmaxf(cut, key_float(key));
+  }
+  if (filter.min_p > 0.0f) cut = fmaxf(cut, (float)log((double)filter.min_p));
+  return cut;
+}
+
+// Sum over ids of exp(s) for s >= cut (double), valid in all threads.
+template <typename T>
+__device__ __forceinline__ double block_kept_sum(const T* __restrict__ row, int64_t n, float max, float inv, float cut,
+                                 typename cub::BlockReduce<double, kThreads>::TempStorage& reduce_temp,
+                                 double& shared_double) {
+  float part = 0.0f;
+  double total = 0.0;
+  int count = 0;
+  block_for_each(row, 0, n, [&](int64_t, const float* v, auto width) {
+    constexpr int N = decltype(width)::value;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const float s = (clamp_logit(v[i]) - max) * inv;
+      part += s >= cut ? expf(s) : 0.0f;
+    }
+    if (++count == 64) total += part, part = 0.0f, count = 0;
+  });
+  total += part;
+  const double sum = cub::BlockReduce<double, kThreads>(reduce_temp).Sum(total);
+  if (threadIdx.x == 0) shared_double = sum;
+  __syncthreads();
+  const double out = shared_double;
+  __syncthreads();
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block scans over ids in tiles of kThreads * kScanItems, each thread kScanItems contiguous ids.
+
+struct MinOp {
+  template <typename U>
+  __device__ __forceinline__ U operator()(const U& a, const U& b) const { return b < a ? b : a; }
+};
+struct MaxOp {
+  template <typename U>
+  __device__ __forceinline__ U operator()(const U& a, const U& b) const { return a < b ? b : a; }
+};
+
+struct ScanShared {
+  typename cub::BlockScan<double, kThreads>::TempStorage scan;
+  typename cub::BlockReduce<int64_t, kThreads>::TempStorage reduce;
+  int64_t found;
+  double base;
+};
+
+// Inverse CDF over ids [begin, end) with weights weight_of(id) >= 0, cumulative starting at `base`:
+// the first id whose cumulative weight exceeds `target`. Returns -1 when the range ends first;
+// `last_positive` gets the last id with positive weight in the range (-1 if none). Valid in all
+// threads.
+template <typename WeightFn>
+__device__ __forceinline__ int64_t block_inverse_cdf(int64_t begin, int64_t end, double base, double target, WeightFn weight_of,
+                                     ScanShared& sh, int64_t& last_positive) {
+  int64_t my_last = -1, result = -1;
+  for (int64_t tile = begin; tile < end; tile += (int64_t)kThreads * kScanItems) {
+    const int64_t first = tile + (int64_t)threadIdx.x * kScanItems;
+    float w[kScanItems];
+    double mine = 0.0;
+#pragma unroll
+    for (int i = 0; i < kScanItems; ++i) {
+      w[i] = first + i < end ? weight_of(first + i) : 0.0f;
+      mine += (double)w[i];
+      if (w[i] > 0.0f) my_last = first + i;
+    }
+    double before, aggregate;
+    cub::BlockScan<double, kThreads>(sh.scan).ExclusiveSum(mine, before, aggregate);
+    int64_t candidate = INT64_MAX;
+    if (base + aggregate > target) {
+      double running = base + before;
+#pragma unroll
+      for (int i = 0; i < kScanItems; ++i) {
+        running += (double)w[i];
+        if (candidate == INT64_MAX && w[i] > 0.0f && running > target) candidate = first + i;
+      }
+    }
+    const int64_t found = cub::BlockReduce<int64_t, kThreads>(sh.reduce).Reduce(candidate, MinOp());
+    if (threadIdx.x == 0) sh.found = found;
+    __syncthreads();
+    const int64_t f = sh.found;
+    __syncthreads();
+    base += aggregate;
+    if (f != INT64_MAX) {
+      result = f;
+      break;
+    }
+  }
+  const int64_t last = cub::BlockReduce<int64_t, kThreads>(sh.reduce).Reduce(my_last, MaxOp());
+  if (threadIdx.x == 0) sh.found = last;
+  __syncthreads();
+  last_positive = sh.found;
+  __syncthreads();
+  return result;
+}
+
+// The id of the `rank`-th (1-based) id in [0, n) with key == `key` in id order (div_top_k ties).
+template <typename KeyAt>
+__device__ __forceinline__ int64_t block_nth_tie(int64_t n, uint32_t key, uint32_t rank, KeyAt key_at, ScanShared& sh) {
+  double base = 0.0;
+  int64_t result = n - 1;
+  for (int64_t tile = 0; tile < n; tile += (int64_t)kThreads * kScanItems) {
+    const int64_t first = tile + (int64_t)threadIdx.x * kScanItems;
+    uint32_t hits = 0;
+#pragma unroll
+    for (int i = 0; i < kScanItems; ++i) hits += (first + i < n && key_at(first + i) == key) ? 1u : 0u;
+    double before, aggregate;
+    cub::BlockScan<double, kThreads>(sh.scan).ExclusiveSum((double)hits, before, aggregate);
+    int64_t candidate = INT64_MAX;
+    if (base + aggregate >= (double)rank) {
+      double running = base + before;
+      for (int i = 0; i < kScanItems; ++i) {
+        if (first + i < n && key_at(first + i) == key) {
+          running += 1.0;
+          if (running == (double)rank) { candidate = first + i; break; }
+        }
+      }
+    }
+    const int64_t found = cub::BlockReduce<int64_t, kThreads>(sh.reduce).Reduce(candidate, MinOp());
+    if (threadIdx.x == 0) sh.found = found;
+    __syncthreads();
+    const int64_t f = sh.found;
+    __syncthreads();
+    base += aggregate;
+    if (f != INT64_MAX) {
+      result = f;
+      break;
+    }
+  }
+  return result;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pass 2: the divergence terms (optionally bucketed) and the residual mass over a range of ids.
+
+struct TopBuckets {  // trivially constructible: it lives in shared memory
+  bool on;
+  uint32_t key;      // the k-th largest ranking key
+  int64_t tie_last;  // ids with key == `key` and id <= tie_last are in the top k
+};
+__device__ __forceinline__ TopBuckets no_buckets() { return TopBuckets{false, 0u, -1}; }
+
+struct PassTwo {
+  double div = 0.0;     // sum of divergence terms (of the top ids when bucketed)
+  double rest_p = 0.0;  // bucketed: mass of p and q outside the top k
+  double rest_q = 0.0;
+  double residual = 0.0;  // sum of max(0, p - q) at the sampling temperature
+};
+
+struct DeviceLog {
+  __device__ __forceinline__ float operator()(float x) const { return logf(x); }
+  __device__ __forceinline__ double operator()(double x) const { return log(x); }
+};
+
+// Ranking key of an id under the divergence's target distribution (div_top_k).
+__device__ __forceinline__ uint32_t rank_key(const Dist& d, float z, int64_t id) {
+  return float_key(d.log_prob(z, id) > -kInf ? d.scaled(z) : -kInf);
+}
+
+// Accumulates pass 2 over [begin, end) of one position into a thread's PassTwo.
+//   p, q: sampling distributions (residual); pd, qd: the distributions the divergence compares.
+template <Divergence D, typename T>
+__device__ __forceinline__ void pass_two(const T* __restrict__ target, const T* __restrict__ draft, int64_t begin,
+                                         int64_t end, int64_t draft_vocab, const Dist& pd, const Dist& qd,
+                                         const Dist& p, const Dist& q, bool need_div, bool need_residual,
+                                         const TopBuckets& top, bool reverse, PassTwo& acc) {
+  const DeviceLog log_fn;
+  const bool shared_dists = pd.max == p.max && pd.inv == p.inv && pd.cut == p.cut && pd.one_hot == p.one_hot &&
+                            qd.max == q.max && qd.inv == q.inv && qd.cut == q.cut && qd.one_hot == q.one_hot &&
+                            pd.log_sum == p.log_sum && qd.log_sum == q.log_sum;
+  float div = 0.0f, rest_p = 0.0f, rest_q = 0.0f, residual = 0.0f;
+  int count = 0;
+  block_for_each_pair(target, draft, begin, end, draft_vocab, reverse, [&](int64_t j, const float* a, const float* b, auto width) {
+    constexpr int N = decltype(width)::value;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const float zt = clamp_logit(a[i]), zd = clamp_logit(b[i]);
+      float pp = 0.0f, qq = 0.0f;
+      if (need_div) {
+        const float lp = pd.log_prob(zt, j + i);
+        const float lq = zd > -kInf ? qd.log_prob(zd, j + i) : -kInf;
+        pp = lp > -kInf ? expf(lp) : 0.0f;
+        qq = lq > -kInf ? expf(lq) : 0.0f;
+        if (top.on) {
+          const uint32_t key = float_key(lp > -kInf ? pd.scaled(zt) : -kInf);
+          const bool in_top = key > top.key || (key == top.key && j + i <= top.tie_last);
+          if (in_top) {
+            div += divergence_term<D, float>(pp, lp, qq, lq, log_fn);
+          } else {
+            rest_p += pp;
+            rest_q += qq;
+          }
+        } else {
+          div += divergence_term<D, float>(pp, lp, qq, lq, log_fn);
+        }
+      }
+      if (need_residual) {
+        if (!(need_div && shared_dists)) {
+          pp = p.prob(zt, j + i);
+          qq = zd > -kInf ? q.prob(zd, j + i) : 0.0f;
+        }
+        residual += pp > qq ? pp - qq : 0.0f;
+      }
+    }
+    if (++count == 32) {
+      acc.div += div, acc.rest_p += rest_p, acc.rest_q += rest_q, acc.residual += residual;
+      div = rest_p = rest_q = residual = 0.0f;
+      count = 0;
+    }
+  });
+  acc.div += div, acc.rest_p += rest_p, acc.rest_q += rest_q, acc.residual += residual;
+}
+
+struct PassTwoSum {
+  __device__ __forceinline__ PassTwo operator()(const PassTwo& a, const PassTwo& b) const {
+    PassTwo out;
+    out.div = a.div + b.div;
+    out.rest_p = a.rest_p + b.rest_p;
+    out.rest_q = a.rest_q + b.rest_q;
+    out.residual = a.residual + b.residual;
+    return out;
+  }
+};
+
+// Calls f(std::integral_constant<Divergence, kind>) for a runtime divergence kind, so a kernel
+// holds one copy of the per-id loop per kind but one copy of everything else.
+template <typename F>
+__device__ __forceinline__ void with_divergence(Divergence kind, F&& f) {
+  switch (kind) {
+    case Divergence::KL: f(std::integral_constant<Divergence, Divergence::KL>{}); break;
+    case Divergence::RKL: f(std::integral_constant<Divergence, Divergence::RKL>{}); break;
+    case Divergence::JS: f(std::integral_constant<Divergence, Divergence::JS>{}); break;
+    case Divergence::TV: f(std::integral_constant<Divergence, Divergence::TV>{}); break;
+    case Divergence::MKL: f(std::integral_constant<Divergence, Divergence::MKL>{}); break;
+  }
+}
+
+// The divergence from pass-2 sums (adds the rest bucket when bucketed).
+__device__ __forceinline__ float finish_pass_two(Divergence kind, const PassTwo& sums, bool bucketed) {
+  double total = sums.div;
+  if (bucketed) {
+    const DeviceLog log_fn;
+    double rest = 0.0;
+    with_divergence(kind, [&](auto tag) {
+      constexpr Divergence D = decltype(tag)::value;
+      rest = divergence_term<D, double>(sums.rest_p, log(sums.rest_p), sums.rest_q, log(sums.rest_q), log_fn);
+    });
+    total += rest;
+  }
+  return (float)finish_divergence(total);
+}
+
+}  // namespace cuda
+}  // namespace fsd

@@ -1,0 +1,36 @@
+// Host entry points of the CUDA kernels (framework-free: CUDA runtime only). Each launcher checks
+// nothing about the problem (the torch binding did), enqueues its kernels on `stream` and returns
+// the first CUDA error; none synchronises, allocates or copies, so all of them can be captured in
+// a CUDA graph.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "fsd/common.h"
+
+namespace fsd {
+namespace cuda {
+
+// Bytes of device workspace fsd_ext.accept needs for `problem` on the current device (a few
+// records per row, position and vocabulary chunk; 256-byte aligned pieces).
+size_t accept_workspace_bytes(const AcceptProblem& problem);
+
+// fsd_ext.accept: two launches. `workspace` must hold accept_workspace_bytes(problem) bytes of
+// device memory (uninitialised is fine) and stay untouched until the launches finish.
+cudaError_t launch_accept(const AcceptProblem& problem, void* workspace, size_t workspace_bytes,
+                          cudaStream_t stream);
+
+// fsd_ext.divergence: one launch, one block per row.
+cudaError_t launch_divergence(const DivergenceProblem& problem, cudaStream_t stream);
+
+// fsd_ext.sample: one launch, one block per (row, position).
+cudaError_t launch_sample(const SampleProblem& problem, cudaStream_t stream);
+
+// fsd_ext.philox_uniforms: out [rows, positions] float64 on the device.
+cudaError_t launch_philox_uniforms(const RandomKey& key, int64_t rows, int64_t positions, Purpose purpose,
+                                   double* out, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace fsd

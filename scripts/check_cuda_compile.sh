@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Compiles every csrc/fsd/cuda/*.cu with nvcc alone (no torch, no GPU needed) for sm_80 and sm_90
+# with -Xptxas -v, prints the resource report (registers, shared memory, stack, spills per kernel
+# and architecture) and fails on any compile error or on register spills in the main kernels.
+#
+#   scripts/check_cuda_compile.sh            # NVCC, FSD_CUDA_ARCHS ("80 90"), FSD_CUDA_CHECK_DIR override
+#
+# Exit status: 0 ok, 1 compile error or spills, 2 no nvcc.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+NVCC="${NVCC:-$(command -v nvcc || true)}"
+if [[ -z "$NVCC" && -x /usr/local/cuda/bin/nvcc ]]; then NVCC=/usr/local/cuda/bin/nvcc; fi
+if [[ -z "$NVCC" ]]; then
+  echo "check_cuda_compile: nvcc not found (set NVCC=...)" >&2
+  exit 2
+fi
+ARCHS="${FSD_CUDA_ARCHS:-80 90}"
+OUT="${FSD_CUDA_CHECK_DIR:-$ROOT/build/cuda-check}"
+mkdir -p "$OUT"
+
+GENCODE=()
+for arch in $ARCHS; do GENCODE+=(-gencode "arch=compute_${arch},code=sm_${arch}"); done
+
+echo "== nvcc: $("$NVCC" --version | tail -n 2 | head -n 1)"
+echo "== archs: $ARCHS"
+shopt -s nullglob
+SOURCES=("$ROOT"/csrc/fsd/cuda/*.cu)
+if (( ${#SOURCES[@]} == 0 )); then echo "no CUDA sources" >&2; exit 1; fi
+
+# One nvcc per source (all architectures in one call), the sources in parallel.
+pids=()
+for src in "${SOURCES[@]}"; do
+  name="$(basename "$src" .cu)"
+  ( "$NVCC" -std=c++17 -O3 --expt-relaxed-constexpr -lineinfo -I"$ROOT/csrc" "${GENCODE[@]}" \
+      -Xptxas -v -Werror all-warnings -c "$src" -o "$OUT/$name.o" >"$OUT/$name.log" 2>&1 ) &
+  pids+=("$!")
+done
+status=0
+for i in "${!pids[@]}"; do
+  if ! wait "${pids[$i]}"; then
+    echo "== COMPILE ERROR: ${SOURCES[$i]}" >&2
+    cat "$OUT/$(basename "${SOURCES[$i]}" .cu).log" >&2
+    status=1
+  fi
+done
+(( status == 0 )) || exit 1
+
+# Resource report. Main kernels (no spill allowed): everything except the uniforms helper, which
+# is reported too. Any kernel with spill stores fails.
+python3 - "$OUT" "${SOURCES[@]}" <<'PY'
+import os, re, subprocess, sys
+out_dir, sources = sys.argv[1], sys.argv[2:]
+rows, current = [], {}
+for src in sources:
+    log = os.path.join(out_dir, os.path.basename(src)[:-3] + ".log")
+    for line in open(log):
+        m = re.search(r"Compiling entry function '(\S+)' for '(sm_\d+)'", line)
+        if m:
+            current = {"mangled": m.group(1), "arch": m.group(2), "stack": 0, "spill_st": 0, "spill_ld": 0,
+                       "regs": 0, "smem": 0, "file": os.path.basename(src)}
+            rows.append(current)
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and current:
+            current["stack"], current["spill_st"], current["spill_ld"] = map(int, m.groups())
+        m = re.search(r"Used (\d+) registers", line)
+        if m and current:
+            current["regs"] = int(m.group(1))
+            s = re.search(r"(\d+) bytes smem", line)
+            current["smem"] = int(s.group(1)) if s else 0
+names = [r["mangled"] for r in rows]
+try:
+    demangled = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True,
+                               check=True).stdout.splitlines()
+except Exception:
+    demangled = names
+def short(name):
+    name = re.sub(r"\(.*\)$", "", name)  # drop the parameter list
+    return name.replace("fsd::cuda::", "").replace("fsd::", "")
+print(f"{'kernel':<55} {'arch':<6} {'regs':>4} {'smem':>6} {'stack':>5} {'spill st/ld':>12}")
+bad = []
+for r, d in sorted(zip(rows, demangled), key=lambda x: (short(x[1]), x[0]["arch"])):
+    n = short(d)
+    print(f"{n:<55} {r['arch']:<6} {r['regs']:>4} {r['smem']:>6} {r['stack']:>5} {r['spill_st']:>5}/{r['spill_ld']:<6}")
+    if r["spill_st"] > 0 or r["spill_ld"] > 0:
+        bad.append(f"{n} ({r['arch']}): {r['spill_st']} bytes spill stores, {r['spill_ld']} bytes spill loads")
+if not rows:
+    print("no kernels found in the ptxas output", file=sys.stderr)
+    sys.exit(1)
+if bad:
+    print("== FAIL: register spills:\n  " + "\n  ".join(bad), file=sys.stderr)
+    sys.exit(1)
+print(f"== OK: {len(rows)} kernel builds, no spills")
+PY

@@ -1,0 +1,349 @@
+"""CUDA kernels of fsd_ext against the CPU kernel and the pure-torch reference (DESIGN.md 2-3).
+
+Everything here needs a GPU and the extension built with CUDA; without a GPU every test is skipped.
+Run: pytest -m cuda tests/test_cuda.py
+
+- parity: same seed -> same tokens on CUDA, on the CPU kernel and in the reference (>= 99.9% of
+  rows over large random batches, all rows on well-separated logits); divergences within 1e-5
+  relative of the float64 reference; every dtype, rule, divergence, filter, ragged K, V_d < V_t,
+  odd vocabularies;
+- invalid rows: NaN / all -inf logits, draft ids outside the draft vocabulary, num_draft > K;
+- statistics on the GPU: under sd the emitted token follows p (chi-square over 1e5+ rows);
+- CUDA graphs: accept captured once, replayed with a device offset bumped between replays draws
+  fresh tokens and matches eager calls; no host synchronisation inside the ops.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fsd_ext import reference
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+RULES = ("greedy", "sd", "fsd", "fsd_strict")
+DIVERGENCES = ("kl", "rkl", "js", "tv", "mkl")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@pytest.fixture(scope="module")
+def fops():
+    from fsd_ext import ops
+
+    ops._ops()  # raises ImportError with a clear message when the extension is not built
+    return ops
+
+
+def make_case(batch, k, vocab, draft_vocab=None, dtype=torch.float32, scale=3.0, noise=1.0, seed=0,
+              num_draft=False, separated=False):
+    """Random target/draft logits [B, K+1, V_t] / [B, K, V_d], drafts sampled from the draft."""
+    g = torch.Generator().manual_seed(seed)
+    draft_vocab = draft_vocab or vocab
+    if separated:
+        # Distinct logits half a unit apart: no ties and no near-ties anywhere.
+        target = torch.stack([torch.randperm(vocab, generator=g) for _ in range(batch * (k + 1))]).float()
+        target = (target * (8.0 / vocab)).reshape(batch, k + 1, vocab)
+        draft = target[:, :k, :draft_vocab].clone()
+        swap = torch.randperm(draft_vocab, generator=g)[: max(2, draft_vocab // 4)]
+        draft[..., swap] = draft[..., swap.flip(0)]
+    else:
+        target = torch.randn(batch, k + 1, vocab, generator=g) * scale  # [B, K+1, V_t]
+        draft = target[:, :k, :draft_vocab] + noise * torch.randn(batch, k, draft_vocab, generator=g)
+    tokens = torch.multinomial(draft.reshape(-1, draft_vocab).float().softmax(-1), 1, generator=g)
+    tokens = tokens.reshape(batch, k)  # [B, K]
+    nd = torch.randint(0, k + 1, (batch,), generator=g) if num_draft else None
+    return target.to(dtype), draft.to(dtype), tokens, nd
+
+
+def to(x, device):
+    return x.to(device) if isinstance(x, torch.Tensor) else x
+
+
+def run_accept(fops, device, target, draft, tokens, **kw):
+    kw = {name: to(value, device) for name, value in kw.items()}
+    out = fops.accept(target.to(device), draft.to(device), tokens.to(device), **kw)
+    return type(out)(*(to(x, "cpu") if x is not None else None for x in out))
+
+
+def agreement(a, b):
+    """Fraction of rows whose tokens, num_accepted and valid all agree."""
+    same = (a.tokens == b.tokens).all(1) & (a.num_accepted == b.num_accepted) & (a.valid == b.valid)
+    return same.float().mean().item()
+
+
+# ----------------------------------------------------------------------------------------------
+# Randomness.
+
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("purpose", ["accept", "sample", "draft"])
+def test_uniforms_match_reference(fops, per_row, purpose):
+    rows, positions = 37, 9
+    seed = torch.arange(rows, dtype=torch.int64) * 7919 - 5 if per_row else 1234
+    offset = torch.tensor([2**33 + 5], dtype=torch.int64)
+    got = fops.philox_uniforms(to(seed, "cuda") if per_row else torch.tensor(seed, device="cuda"),
+                               offset.cuda(), rows, positions, purpose)
+    purpose_id = {"accept": 1, "sample": 2, "draft": 3}[purpose]
+    want = reference.philox_uniforms(seed, int(offset), rows, positions, purpose_id)
+    assert torch.equal(got.cpu(), want)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parity with the CPU kernel and the reference.
+
+@pytest.mark.parametrize("rule", RULES)
+def test_accept_large_random_batch_agrees_with_cpu(fops, rule):
+    target, draft, tokens, nd = make_case(4096, 4, 1000, num_draft=True, seed=1)
+    kw = dict(rule=rule, divergence="js", threshold=0.3, temperature=0.9, seed=42, offset=3, num_draft=nd)
+    cuda = run_accept(fops, "cuda", target, draft, tokens, **kw)
+    cpu = run_accept(fops, "cpu", target, draft, tokens, **kw)
+    assert agreement(cuda, cpu) >= 0.999
+    assert bool(cuda.valid.all())
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_accept_agrees_with_reference(fops, rule, divergence):
+    target, draft, tokens, nd = make_case(256, 3, 512, seed=2, num_draft=True)
+    kw = dict(rule=rule, divergence=divergence, threshold=0.2, temperature=1.0, seed=7, num_draft=nd,
+              return_divergence=True)
+    cuda = run_accept(fops, "cuda", target, draft, tokens, **kw)
+    ref = reference.accept(target, draft, tokens, **kw)
+    assert agreement(cuda, ref) >= 0.99
+    torch.testing.assert_close(cuda.divergence, ref.divergence, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_accept_well_separated_all_rows_agree(fops, rule):
+    target, draft, tokens, _ = make_case(512, 3, 257, separated=True, seed=3)
+    kw = dict(rule=rule, divergence="tv", threshold=0.1, temperature=1.0, seed=11)
+    cuda = run_accept(fops, "cuda", target, draft, tokens, **kw)
+    assert agreement(cuda, run_accept(fops, "cpu", target, draft, tokens, **kw)) == 1.0
+    assert agreement(cuda, reference.accept(target, draft, tokens, **kw)) == 1.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab,draft_vocab", [(1000, 1000), (32001, 32000), (4099, 3001)])
+def test_accept_dtypes_and_vocabs(fops, dtype, vocab, draft_vocab):
+    target, draft, tokens, nd = make_case(64, 4, vocab, draft_vocab, dtype=dtype, seed=4, num_draft=True)
+    kw = dict(rule="fsd", divergence="kl", threshold=0.5, temperature=0.8, seed=5, num_draft=nd,
+              return_divergence=True)
+    cuda = run_accept(fops, "cuda", target, draft, tokens, **kw)
+    cpu = run_accept(fops, "cpu", target, draft, tokens, **kw)
+    ref = reference.accept(target, draft, tokens, **kw)
+    assert agreement(cuda, cpu) >= 0.98 and agreement(cuda, ref) >= 0.98
+    torch.testing.assert_close(cuda.divergence, ref.divergence, rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert int(cuda.tokens.max()) < vocab
+
+
+@pytest.mark.parametrize("vocab", [151936, 152064, 262144])
+def test_accept_big_vocab_split_path(fops, vocab):
+    # B=1: the vocabulary is split over many blocks per position.
+    target, draft, tokens, _ = make_case(2, 5, vocab, dtype=torch.bfloat16, seed=6)
+    for rule in RULES:
+        kw = dict(rule=rule, divergence="js", threshold=0.4, temperature=1.0, seed=9, return_divergence=True)
+        cuda = run_accept(fops, "cuda", target, draft, tokens, **kw)
+        ref = reference.accept(target, draft, tokens, **kw)
+        assert agreement(cuda, ref) == 1.0, rule
+        torch.testing.assert_close(cuda.divergence, ref.divergence, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_vocab_path_matches_reference(fops, rule, dtype):
+    # Few rows and a big vocabulary: each position's vocabulary is split over many blocks (two
+    # launches), with ragged K, V_d < V_t, odd sizes and a NaN row.
+    target, draft, tokens, nd = make_case(6, 3, 50001, 49999, dtype=dtype, seed=15, num_draft=True)
+    target[5, 0, 123] = float("nan")
+    nd[5] = 2
+    kw = dict(rule=rule, divergence="rkl", threshold=0.2, temperature=0.9, seed=21, num_draft=nd,
+              return_divergence=True)
+    cuda = run_accept(fops, "cuda", target, draft, tokens, **kw)
+    ref = reference.accept(target, draft, tokens, **kw)
+    assert agreement(cuda, ref) == 1.0
+    assert not bool(cuda.valid[5])
+    torch.testing.assert_close(cuda.divergence, ref.divergence, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("filters", [dict(top_k=20), dict(top_p=0.8), dict(min_p=0.05),
+                                     dict(top_k=50, top_p=0.9, min_p=0.01)])
+@pytest.mark.parametrize("rule", ["sd", "fsd", "fsd_strict"])
+def test_accept_filters(fops, filters, rule):
+    target, draft, tokens, nd = make_case(256, 3, 1000, seed=7, num_draft=True)
+    kw = dict(rule=rule, divergence="js", threshold=0.3, temperature=0.7, seed=13, num_draft=nd, **filters)
+    cuda = run_accept(fops, "cuda", target, draft, tokens, **kw)
+    assert agreement(cuda, run_accept(fops, "cpu", target, draft, tokens, **kw)) >= 0.99
+    assert agreement(cuda, reference.accept(target, draft, tokens, **kw)) >= 0.99
+
+
+@pytest.mark.parametrize("div_temperature", [1.0, None, 2.0])
+@pytest.mark.parametrize("div_top_k", [None, 1, 10])
+def test_divergence_options(fops, div_temperature, div_top_k):
+    target, draft, tokens, _ = make_case(128, 2, 700, 600, seed=8)
+    kw = dict(rule="fsd", divergence="mkl", threshold=0.4, temperature=0.5, seed=3,
+              div_temperature=div_temperature, div_top_k=div_top_k, return_divergence=True)
+    cuda = run_accept(fops, "cuda", target, draft, tokens, **kw)
+    ref = reference.accept(target, draft, tokens, **kw)
+    torch.testing.assert_close(cuda.divergence, ref.divergence, rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert agreement(cuda, ref) >= 0.99
+
+
+def test_greedy_rows_and_per_row_arguments(fops):
+    target, draft, tokens, nd = make_case(300, 4, 333, seed=9, num_draft=True)
+    tau = torch.rand(300) * (torch.rand(300) > 0.3)  # a third of the rows greedy
+    thr = torch.rand(300)
+    seeds = torch.randint(-2**62, 2**62, (300,), dtype=torch.int64)
+    kw = dict(rule="fsd", temperature=tau, threshold=thr, seed=seeds, num_draft=nd, div_temperature=None)
+    cuda = run_accept(fops, "cuda", target, draft, tokens, **kw)
+    assert agreement(cuda, run_accept(fops, "cpu", target, draft, tokens, **kw)) >= 0.99
+    assert agreement(cuda, reference.accept(target, draft, tokens, **kw)) >= 0.99
+
+
+def test_divergence_op(fops):
+    target, draft, _, _ = make_case(64, 1, 5000, 4000, seed=10)
+    for kind in DIVERGENCES:
+        for top_k in (None, 5):
+            got = fops.divergence(target[:, 0].cuda(), draft[:, 0].cuda(), kind, 0.8, top_k).cpu()
+            want = reference.divergence(target[:, 0], draft[:, 0], kind, 0.8, top_k)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("filters", [dict(), dict(top_k=5), dict(top_p=0.7), dict(min_p=0.1)])
+def test_sample_op(fops, dtype, filters):
+    logits = (torch.randn(64, 3, 32001, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+    got = fops.sample(logits.cuda(), temperature=0.8, seed=17, offset=2, **filters).cpu()
+    want = reference.sample(logits, temperature=0.8, seed=17, offset=2, **filters)
+    assert (got == want).float().mean().item() >= 0.99
+    assert (got == fops.sample(logits, temperature=0.8, seed=17, offset=2, **filters)).float().mean() >= 0.99
+
+
+# ----------------------------------------------------------------------------------------------
+# Invalid rows.
+
+def test_nan_and_all_neg_inf_rows(fops):
+    target, draft, tokens, _ = make_case(8, 3, 300, seed=11)
+    target[1, 2, 5] = float("nan")
+    draft[2, 0, :] = float("-inf")
+    target[3, 3, :] = float("-inf")  # bonus position: used
+    target[4, 1, 7] = float("inf")   # +inf is the largest finite value, not an error
+    nd = torch.tensor([3, 3, 3, 3, 3, 3, 3, 0])
+    target[7, 2, 0] = float("nan")   # unused position (num_draft = 0): ignored
+    for rule in RULES:
+        res = run_accept(fops, "cuda", target, draft, tokens, rule=rule, num_draft=nd, return_divergence=True)
+        ref = reference.accept(target, draft, tokens, rule=rule, num_draft=nd, return_divergence=True)
+        assert res.valid.tolist() == [True, False, False, False, True, True, True, True]
+        assert agreement(res, ref) == 1.0
+        assert (res.tokens[~res.valid] == -1).all() and (res.num_accepted[~res.valid] == 0).all()
+        assert res.divergence[~res.valid].isnan().all()
+        assert res.tokens[4, res.num_accepted[4]] >= 0
+
+
+def test_out_of_range_draft_ids_mark_row_invalid(fops):
+    target, draft, tokens, _ = make_case(6, 3, 100, 80, seed=12)
+    tokens[1, 0] = 80   # outside the draft vocabulary (inside the target's)
+    tokens[2, 2] = -1
+    tokens[3, 2] = 10**6
+    nd = torch.tensor([3, 3, 3, 2, 3, 3])  # row 3: the bad id is past num_draft, ignored
+    res = run_accept(fops, "cuda", target, draft, tokens, num_draft=nd)
+    assert res.valid.tolist() == [True, False, False, True, True, True]
+    nd_bad = torch.tensor([3, 3, 3, 2, 4, -1])  # num_draft outside [0, K]
+    res = run_accept(fops, "cuda", target, draft, tokens, num_draft=nd_bad)
+    assert res.valid.tolist() == [True, False, False, True, False, False]
+    assert (res.tokens[4:] == -1).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Statistics on the GPU.
+
+def chi_square_pvalue(counts, probs):
+    expected = probs * counts.sum()
+    keep = expected > 5
+    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2.0))
+
+
+@pytest.mark.parametrize("rule", ["sd", "fsd"])
+def test_sd_emits_target_distribution(fops, rule):
+    rows, vocab = 200_000, 24
+    g = torch.Generator(device="cuda").manual_seed(0)
+    target_row = torch.randn(vocab, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 1.5
+    draft_row = target_row + torch.randn(vocab, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    p, q = target_row.softmax(-1), draft_row.softmax(-1)
+    target = target_row.float().cuda().expand(rows, 2, vocab).contiguous()
+    draft = draft_row.float().cuda().expand(rows, 1, vocab).contiguous()
+    tokens = torch.multinomial(q.float().cuda(), rows, replacement=True, generator=g)[:, None]  # [rows, 1]
+    # fsd with threshold 0 is exactly sd.
+    res = fops.accept(target, draft, tokens, rule=rule, threshold=0.0, seed=123)
+    counts = torch.bincount(res.tokens[:, 0], minlength=vocab).double().cpu()
+    assert chi_square_pvalue(counts, p) > 1e-4
+    # Acceptance rate of sd is sum(min(p, q)).
+    rate = (res.num_accepted == 1).double().mean().item()
+    assert abs(rate - torch.minimum(p, q).sum().item()) < 5 * math.sqrt(0.25 / rows)
+
+
+def test_fsd_under_threshold_emits_draft_distribution(fops):
+    rows, vocab = 100_000, 16
+    target_row = torch.randn(vocab, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    draft_row = target_row + 0.3 * torch.randn(vocab, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    q = draft_row.softmax(-1)
+    target = target_row.float().cuda().expand(rows, 2, vocab).contiguous()
+    draft = draft_row.float().cuda().expand(rows, 1, vocab).contiguous()
+    g = torch.Generator(device="cuda").manual_seed(5)
+    tokens = torch.multinomial(q.float().cuda(), rows, replacement=True, generator=g)[:, None]
+    res = fops.accept(target, draft, tokens, rule="fsd_strict", threshold=10.0, seed=9)
+    assert bool((res.num_accepted == 1).all())
+    counts = torch.bincount(res.tokens[:, 0], minlength=vocab).double().cpu()
+    assert chi_square_pvalue(counts, q) > 1e-4
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA graphs and host synchronisation.
+
+def test_graph_capture_and_replay_fresh_randomness(fops):
+    target, draft, tokens, _ = make_case(32, 4, 4096, dtype=torch.bfloat16, seed=13, noise=2.0)
+    target, draft, tokens = target.cuda(), draft.cuda(), tokens.cuda()
+    seed = torch.tensor(77, dtype=torch.int64, device="cuda")
+    offset = torch.zeros(1, dtype=torch.int64, device="cuda")
+    kw = dict(rule="fsd", threshold=0.1, temperature=1.0, return_divergence=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the graph
+        fops.accept(target, draft, tokens, seed=seed, offset=offset, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fops.accept(target, draft, tokens, seed=seed, offset=offset, **kw)
+    seen = []
+    for step in range(4):
+        offset.fill_(step)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = fops.accept(target, draft, tokens, seed=77, offset=step, **kw)
+        assert torch.equal(static.tokens, eager.tokens) and torch.equal(static.num_accepted, eager.num_accepted)
+        seen.append(static.tokens.clone())
+    assert any(not torch.equal(seen[0], other) for other in seen[1:]), "replays drew the same numbers"
+
+
+def test_no_host_sync(fops):
+    target, draft, tokens, nd = make_case(16, 3, 2048, dtype=torch.float16, seed=14, num_draft=True)
+    target, draft, tokens, nd = target.cuda(), draft.cuda(), tokens.cuda(), nd.cuda()
+    seed = torch.tensor(5, dtype=torch.int64, device="cuda")
+    offset = torch.tensor([1], dtype=torch.int64, device="cuda")
+    thr = torch.full((16,), 0.2, device="cuda")
+    fops.accept(target, draft, tokens, seed=seed, offset=offset, num_draft=nd)  # warm-up (allocator)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fops.accept(target, draft, tokens, seed=seed, offset=offset, num_draft=nd, threshold=thr,
+                    top_p=0.9, return_divergence=True)
+        fops.sample(target[:, 0], temperature=0.7, seed=seed, offset=offset)
+        fops.divergence(target[:, 0], draft[:, 0], "js")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
