@@ -654,7 +654,7 @@ def plot_all(rows: Sequence[Dict[str, Any]], out_dir: str, title: str = "") -> L
     if front:
         xs = [r["tokens_per_s"] for r in front]
         ys = [100 * r["pass_at_1"] for r in front]
-        ax.step(xs, ys, where="post", color="gray", linestyle="--", linewidth=1, zorder=3)
+        ax.step(xs, ys, where="pre", color="gray", linestyle="--", linewidth=1, zorder=3)
     ax.set_xlabel("tokens / s")
     ax.set_ylabel("HumanEval pass@1 (%)")
     ax.set_title("Accuracy vs speed (labels: threshold; dashed: Pareto frontier)" + suffix, fontsize=10)
