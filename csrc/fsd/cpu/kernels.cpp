@@ -1,0 +1,294 @@
+// CPU kernels: one verification step straight from the logits, rows in parallel.
+//
+// accept() runs in two phases:
+//   1. per (row, position), in parallel: statistics of the target and draft rows (max, bad flag,
+//      sum of exponentials at the sampling and divergence temperatures, filter cutoff), and D_i;
+//   2. per row, in parallel: the acceptance scan over positions and the one correction or bonus
+//      sample (inverse CDF over the logits, no probability array).
+#include "fsd/cpu/kernels.h"
+
+#include <cmath>
+#include <vector>
+
+#include "fsd/cpu/row_ops.h"
+#include "fsd/philox.h"
+#include "fsd/rules.h"
+
+namespace fsd {
+namespace cpu {
+
+void serial_for(int64_t count, int64_t /*grain*/, const RangeFn& body) {
+  if (count > 0) body(0, count);
+}
+
+namespace {
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// Everything phase 2 needs to know about one vocabulary row (one model, one position).
+struct RowStats {
+  bool bad = true;     // NaN or no finite logit (or not computed: unused position)
+  float max = 0.0f;
+  int64_t argmax = -1;  // filled when the rule or a greedy row needs it
+  Dist sample;          // the sampling distribution p_i / q_i
+};
+
+template <typename T>
+RowStats row_stats(const T* row, int64_t n, float tau, const SamplingFilter& filter, bool need_argmax,
+                   std::vector<float>& scratch) {
+  RowStats stats;
+  const RowScan scan = scan_row(row, n);
+  stats.bad = scan.bad;
+  if (scan.bad) return stats;
+  stats.max = scan.max;
+  stats.sample = sampling_dist(row, n, scan.max, tau, filter, scratch);
+  stats.argmax = stats.sample.one_hot >= 0 ? stats.sample.one_hot
+                 : need_argmax               ? first_index_of(row, n, scan.max)
+                                             : -1;
+  return stats;
+}
+
+// The distribution the divergence compares: the sampling one (div_temperature=None), or the
+// unfiltered softmax at the divergence temperature (sharing the sampling sum when it is the same).
+template <typename T>
+Dist divergence_dist(const T* row, int64_t n, const RowStats& stats, bool uses_sampling, float div_tau) {
+  if (uses_sampling) return stats.sample;
+  Dist d;
+  d.max = stats.max;
+  d.inv_tau = inverse_temperature(div_tau);
+  if (stats.sample.plain() && stats.sample.inv_tau == d.inv_tau) return stats.sample;
+  d.sum = sum_exp(row, n, d);
+  d.log_sum = (float)std::log(d.sum);
+  return d;
+}
+
+template <typename T>
+struct AcceptKernel {
+  const AcceptProblem& pb;
+  std::vector<RowStats> target_stats;  // [B, K+1]
+  std::vector<RowStats> draft_stats;   // [B, K]
+
+  explicit AcceptKernel(const AcceptProblem& problem)
+      : pb(problem),
+        target_stats(problem.batch * (problem.max_draft + 1)),
+        draft_stats(problem.batch * problem.max_draft) {}
+
+  const T* target_row(int64_t b, int64_t i) const {
+    return static_cast<const T*>(pb.target_logits) + b * pb.target_stride_b + i * pb.target_stride_k;
+  }
+  const T* draft_row(int64_t b, int64_t i) const {
+    return static_cast<const T*>(pb.draft_logits) + b * pb.draft_stride_b + i * pb.draft_stride_k;
+  }
+  int64_t num_draft(int64_t b) const { return pb.num_draft ? pb.num_draft[b] : pb.max_draft; }
+  int64_t draft_token(int64_t b, int64_t i) const {
+    const int64_t at = b * pb.max_draft + i;
+    return pb.tokens_int32 ? static_cast<const int32_t*>(pb.draft_tokens)[at]
+                           : static_cast<const int64_t*>(pb.draft_tokens)[at];
+  }
+
+  // Phase 1: statistics and divergence of position i of row b.
+  void position(int64_t b, int64_t i, std::vector<float>& scratch) {
+    const int64_t k = pb.max_draft, used = num_draft(b);
+    if (used < 0 || used > k || i > used) return;  // unused position (or an invalid row)
+    const float tau = pb.temperature.at(b);
+    RowStats& t = target_stats[b * (k + 1) + i];
+    t = row_stats(target_row(b, i), pb.target_vocab, tau, pb.filter, pb.rule == Rule::Greedy, scratch);
+    if (i == used) return;  // the bonus position has no draft
+    RowStats& d = draft_stats[b * k + i];
+    d = row_stats(draft_row(b, i), pb.draft_vocab, tau, pb.filter, false, scratch);
+    if (!pb.need_divergence || t.bad || d.bad) return;
+    const float div_tau = pb.div_temperature.at(b);
+    const Dist p = divergence_dist(target_row(b, i), pb.target_vocab, t, pb.div_uses_sampling, div_tau);
+    const Dist q = divergence_dist(draft_row(b, i), pb.draft_vocab, d, pb.div_uses_sampling, div_tau);
+    pb.divergences[b * k + i] = divergence(pb.divergence, target_row(b, i), pb.target_vocab, p,
+                                           draft_row(b, i), pb.draft_vocab, q, pb.div_top_k);
+  }
+
+  bool row_valid(int64_t b) const {
+    const int64_t k = pb.max_draft, used = num_draft(b);
+    if (used < 0 || used > k) return false;
+    for (int64_t i = 0; i <= used; ++i)
+      if (target_stats[b * (k + 1) + i].bad) return false;
+    for (int64_t i = 0; i < used; ++i) {
+      const int64_t token = draft_token(b, i);
+      if (draft_stats[b * k + i].bad || token < 0 || token >= pb.draft_vocab) return false;
+    }
+    return true;
+  }
+
+  // A sample of p_i (its argmax when the row is greedy).
+  int64_t sample_target(int64_t b, int64_t i, double u) const {
+    const RowStats& t = target_stats[b * (pb.max_draft + 1) + i];
+    if (t.sample.one_hot >= 0) return t.sample.one_hot;
+    const T* row = target_row(b, i);
+    const Dist& p = t.sample;
+    auto weight = [&](int64_t j) {
+      const float s = p.scaled(load_logit(row, j));
+      return s >= p.cut ? exp_nonpositive(s) : 0.0f;
+    };
+    return inverse_cdf(pb.target_vocab, weight, p.sum, u);
+  }
+
+  // A sample of max(0, p_i - q_i), or of p_i when that has no mass.
+  int64_t sample_residual(int64_t b, int64_t i, double u) const {
+    const RowStats& t = target_stats[b * (pb.max_draft + 1) + i];
+    const RowStats& d = draft_stats[b * pb.max_draft + i];
+    if (t.sample.one_hot >= 0) return t.sample.one_hot;  // greedy: residual of one-hots is argmax p
+    const T* target = target_row(b, i);
+    const T* draft = draft_row(b, i);
+    const Dist &p = t.sample, &q = d.sample;
+    auto weight = [&](int64_t j) {
+      const float sp = p.scaled(load_logit(target, j));
+      const float prob_p = sp >= p.cut ? exp_nonpositive(sp - p.log_sum) : 0.0f;
+      if (j >= pb.draft_vocab) return prob_p;
+      const float sq = q.scaled(load_logit(draft, j));
+      const float prob_q = sq >= q.cut ? exp_nonpositive(sq - q.log_sum) : 0.0f;
+      return prob_p > prob_q ? prob_p - prob_q : 0.0f;
+    };
+    double mass = 0.0;
+    for (int64_t j = 0; j < pb.target_vocab; ++j) mass += weight(j);
+    if (mass <= kResidualMassEps) return sample_target(b, i, u);
+    return inverse_cdf(pb.target_vocab, weight, mass, u);
+  }
+
+  int64_t target_argmax(int64_t b, int64_t i) const {
+    const RowStats& t = target_stats[b * (pb.max_draft + 1) + i];
+    return t.argmax >= 0 ? t.argmax : first_index_of(target_row(b, i), pb.target_vocab, t.max);
+  }
+
+  // Phase 2: acceptance scan and the correction / bonus token of row b.
+  void row(int64_t b) {
+    const int64_t k = pb.max_draft;
+    int64_t* tokens = pb.tokens + b * (k + 1);
+    for (int64_t i = 0; i <= k; ++i) tokens[i] = -1;
+    const bool valid = row_valid(b);
+    pb.valid[b] = valid;
+    pb.num_accepted[b] = 0;
+    const int64_t used = valid ? num_draft(b) : 0;
+    for (int64_t i = used; i < k; ++i) pb.divergences[b * k + i] = kNaN;
+    if (!valid) return;
+    if (!pb.need_divergence)
+      for (int64_t i = 0; i < k; ++i) pb.divergences[b * k + i] = kNaN;
+
+    const float threshold = pb.threshold.at(b);
+    int64_t accepted = 0;
+    for (; accepted < used; ++accepted) {
+      const int64_t i = accepted, token = draft_token(b, i);
+      const RowStats& t = target_stats[b * (k + 1) + i];
+      const RowStats& d = draft_stats[b * k + i];
+      const double p_token = std::exp(t.sample.log_prob(load_logit(target_row(b, i), token), token));
+      const double q_token = std::exp(d.sample.log_prob(load_logit(draft_row(b, i), token), token));
+      const double coin = draw_uniform(pb.key, b, i, Purpose::Accept);
+      const bool is_argmax = pb.rule == Rule::Greedy && token == target_argmax(b, i);
+      const float div = pb.need_divergence ? pb.divergences[b * k + i] : kNaN;
+      if (!accept_draft(pb.rule, div, threshold, coin, p_token, q_token, is_argmax)) break;
+      tokens[i] = token;
+    }
+    const Emit emit = accepted < used ? correction_emit(pb.rule) : bonus_emit(pb.rule);
+    const double u = draw_uniform(pb.key, b, accepted, Purpose::Sample);
+    switch (emit) {
+      case Emit::TargetArgmax: tokens[accepted] = target_argmax(b, accepted); break;
+      case Emit::TargetSample: tokens[accepted] = sample_target(b, accepted, u); break;
+      case Emit::Residual: tokens[accepted] = sample_residual(b, accepted, u); break;
+    }
+    pb.num_accepted[b] = accepted;
+  }
+
+  void run(const ParallelFor& parallel_for) {
+    const int64_t positions = pb.max_draft + 1;
+    parallel_for(pb.batch * positions, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch;
+      for (int64_t item = begin; item < end; ++item) position(item / positions, item % positions, scratch);
+    });
+    parallel_for(pb.batch, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) row(b);
+    });
+  }
+};
+
+template <typename T>
+void divergence_rows(const DivergenceProblem& pb, const ParallelFor& parallel_for) {
+  parallel_for(pb.rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    const SamplingFilter no_filter;
+    for (int64_t r = begin; r < end; ++r) {
+      const T* zt = static_cast<const T*>(pb.target_logits) + r * pb.target_stride;
+      const T* zd = static_cast<const T*>(pb.draft_logits) + r * pb.draft_stride;
+      const RowStats t = row_stats(zt, pb.target_vocab, pb.temperature, no_filter, false, scratch);
+      const RowStats d = row_stats(zd, pb.draft_vocab, pb.temperature, no_filter, false, scratch);
+      pb.out[r] = t.bad || d.bad ? kNaN
+                                 : divergence(pb.divergence, zt, pb.target_vocab, t.sample, zd,
+                                              pb.draft_vocab, d.sample, pb.top_k);
+    }
+  });
+}
+
+template <typename T>
+void sample_rows(const SampleProblem& pb, const ParallelFor& parallel_for) {
+  parallel_for(pb.batch * pb.positions, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / pb.positions, s = item % pb.positions;
+      const T* row = static_cast<const T*>(pb.logits) + b * pb.stride_b + s * pb.stride_s;
+      const RowStats stats = row_stats(row, pb.vocab, pb.temperature.at(b), pb.filter, false, scratch);
+      if (stats.bad) {
+        pb.tokens[item] = -1;
+        continue;
+      }
+      const Dist& p = stats.sample;
+      if (p.one_hot >= 0) {
+        pb.tokens[item] = p.one_hot;
+        continue;
+      }
+      auto weight = [&](int64_t j) {
+        const float x = p.scaled(load_logit(row, j));
+        return x >= p.cut ? exp_nonpositive(x) : 0.0f;
+      };
+      pb.tokens[item] = inverse_cdf(pb.vocab, weight, p.sum, draw_uniform(pb.key, b, s, Purpose::Draft));
+    }
+  });
+}
+
+template <template <typename> class Body, typename... Args>
+void dispatch_dtype(DType dtype, Args&&... args) {
+  switch (dtype) {
+    case DType::Float32: Body<float>::run(args...); break;
+    case DType::BFloat16: Body<BFloat16>::run(args...); break;
+    case DType::Float16: Body<Float16>::run(args...); break;
+  }
+}
+
+template <typename T>
+struct RunAccept {
+  static void run(const AcceptProblem& pb, const ParallelFor& pf) { AcceptKernel<T>(pb).run(pf); }
+};
+template <typename T>
+struct RunDivergence {
+  static void run(const DivergenceProblem& pb, const ParallelFor& pf) { divergence_rows<T>(pb, pf); }
+};
+template <typename T>
+struct RunSample {
+  static void run(const SampleProblem& pb, const ParallelFor& pf) { sample_rows<T>(pb, pf); }
+};
+
+}  // namespace
+
+void accept(const AcceptProblem& problem, const ParallelFor& parallel_for) {
+  dispatch_dtype<RunAccept>(problem.dtype, problem, parallel_for);
+}
+
+void divergence(const DivergenceProblem& problem, const ParallelFor& parallel_for) {
+  dispatch_dtype<RunDivergence>(problem.dtype, problem, parallel_for);
+}
+
+void sample(const SampleProblem& problem, const ParallelFor& parallel_for) {
+  dispatch_dtype<RunSample>(problem.dtype, problem, parallel_for);
+}
+
+void philox_uniforms(const RandomKey& key, int64_t rows, int64_t positions, Purpose purpose, double* out) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < positions; ++i) out[r * positions + i] = draw_uniform(key, r, i, purpose);
+}
+
+}  // namespace cpu
+}  // namespace fsd

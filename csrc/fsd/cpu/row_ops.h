@@ -1,0 +1,272 @@
+// One-vocabulary-row primitives of the CPU kernels: statistics, filter cutoffs, divergence sums and
+// inverse-CDF sampling, each a single pass (or less) over the logits with no probability array
+// materialised (only the optional filters and div_top_k buckets use a scratch copy).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+#include "fsd/common.h"
+#include "fsd/cpu/vec.h"
+#include "fsd/rules.h"
+
+namespace fsd {
+namespace cpu {
+
+// A distribution over one vocabulary row, described by the logits plus a few scalars:
+//   s_j = (z_j - max) * inv_tau,   log p_j = s_j - log_sum  if s_j >= cut,  else -inf
+// or one-hot at `one_hot` (temperature 0).
+struct Dist {
+  float max = 0.0f;
+  float inv_tau = 1.0f;
+  float cut = -kInf;      // filter cutoff in s-space; -inf = no filter
+  double sum = 1.0;       // sum over kept j of exp(s_j)
+  float log_sum = 0.0f;
+  int64_t one_hot = -1;   // >= 0: one-hot at this id
+
+  bool plain() const { return one_hot < 0 && cut == -kInf; }
+  inline float scaled(float logit) const { return (logit - max) * inv_tau; }
+  // log p_j in double (the decision and the reference comparison want the extra precision).
+  double log_prob(float logit, int64_t id) const {
+    if (one_hot >= 0) return id == one_hot ? 0.0 : -(double)kInf;
+    const float s = scaled(logit);
+    return s >= cut ? (double)s - std::log(sum) : -(double)kInf;
+  }
+};
+
+inline float inverse_temperature(float tau) {
+  const float inv = 1.0f / tau;
+  return inv < FLT_MAX ? inv : FLT_MAX;  // tiny tau: s stays 0 at the max, -huge elsewhere
+}
+
+struct RowScan {
+  float max = -kInf;
+  bool bad = false;  // holds NaN, or no finite logit
+};
+
+template <typename T>
+RowScan scan_row(const T* row, int64_t n) {
+  float lane_max[kLanes], lane_check[kLanes];
+  for (int l = 0; l < kLanes; ++l) lane_max[l] = -kInf, lane_check[l] = 0.0f;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const float x = to_float(row[j + l]);
+      lane_max[l] = x > lane_max[l] ? x : lane_max[l];
+      lane_check[l] += x - x;  // NaN from here on iff some x is NaN or +-inf
+    }
+  }
+  float max = -kInf, check = 0.0f;
+  for (int l = 0; l < kLanes; ++l) max = std::max(max, lane_max[l]), check += lane_check[l];
+  for (; j < n; ++j) {
+    const float x = to_float(row[j]);
+    max = x > max ? x : max;
+    check += x - x;
+  }
+  RowScan scan;
+  if (check != check) {  // rare: some non-finite value, classify it
+    bool has_nan = false, has_finite = false;
+    for (int64_t i = 0; i < n; ++i) {
+      const float x = to_float(row[i]);
+      has_nan |= x != x;
+      has_finite |= std::isfinite(x);
+    }
+    scan.bad = has_nan || !has_finite;
+  }
+  scan.max = max < FLT_MAX ? max : FLT_MAX;
+  return scan;
+}
+
+// The lowest id holding the maximum (argmax with the lowest id winning ties).
+template <typename T>
+int64_t first_index_of(const T* row, int64_t n, float max) {
+  for (int64_t j = 0; j < n; ++j)
+    if (load_logit(row, j) == max) return j;
+  return 0;
+}
+
+// sum over j with s_j >= cut of exp(s_j).
+template <typename T>
+double sum_exp(const T* row, int64_t n, const Dist& d) {
+  double total = 0.0;
+  float lane[kLanes] = {};
+  int64_t j = 0, since_flush = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const float s = d.scaled(load_logit(row, j + l));
+      lane[l] += s >= d.cut ? exp_nonpositive(s) : 0.0f;
+    }
+    if ((since_flush += kLanes) >= kFlushEvery) {
+      for (int l = 0; l < kLanes; ++l) total += lane[l], lane[l] = 0.0f;
+      since_flush = 0;
+    }
+  }
+  for (int l = 0; l < kLanes; ++l) total += lane[l];
+  for (; j < n; ++j) {
+    const float s = d.scaled(load_logit(row, j));
+    total += s >= d.cut ? exp_nonpositive(s) : 0.0f;
+  }
+  return total;
+}
+
+// The filter cutoff in s-space (see SamplingFilter): top-k, then top-p on the renormalised top-k
+// set, then min-p. Uses `scratch` for a copy of the row.
+template <typename T>
+float filter_cutoff(const T* row, int64_t n, const Dist& d, const SamplingFilter& filter,
+                    std::vector<float>& scratch) {
+  float cut = -kInf;
+  scratch.resize(n);
+  for (int64_t j = 0; j < n; ++j) scratch[j] = d.scaled(load_logit(row, j));
+  if (filter.top_k > 0 && filter.top_k < n) {
+    std::nth_element(scratch.begin(), scratch.begin() + (filter.top_k - 1), scratch.end(), std::greater<float>());
+    cut = scratch[filter.top_k - 1];
+  }
+  if (filter.top_p < 1.0f) {
+    auto kept_end = std::partition(scratch.begin(), scratch.end(), [&](float s) { return s >= cut && s > -kInf; });
+    std::sort(scratch.begin(), kept_end, std::greater<float>());
+    const int64_t kept = kept_end - scratch.begin();
+    double total = 0.0;
+    for (int64_t i = 0; i < kept; ++i) total += std::exp((double)scratch[i]);
+    double cumulative = 0.0;
+    int64_t last = 0;
+    for (; last < kept - 1; ++last) {
+      cumulative += std::exp((double)scratch[last]) / total;
+      if (!(cumulative < (double)filter.top_p)) break;
+    }
+    cut = std::max(cut, scratch[std::max<int64_t>(0, last)]);
+  }
+  if (filter.min_p > 0.0f) cut = std::max(cut, (float)std::log((double)filter.min_p));
+  return cut;
+}
+
+// Fills `d` for sampling at temperature `tau` (0 = one-hot at the argmax) under `filter`.
+template <typename T>
+Dist sampling_dist(const T* row, int64_t n, float max, float tau, const SamplingFilter& filter,
+                   std::vector<float>& scratch) {
+  Dist d;
+  d.max = max;
+  if (tau == 0.0f) {
+    d.one_hot = first_index_of(row, n, max);
+    return d;
+  }
+  d.inv_tau = inverse_temperature(tau);
+  if (filter.active()) d.cut = filter_cutoff(row, n, d, filter, scratch);
+  d.sum = sum_exp(row, n, d);
+  d.log_sum = (float)std::log(d.sum);
+  return d;
+}
+
+// sum_j divergence_term(p_j, q_j) for target row zt [vt] and draft row zd [vd], vd <= vt; ids >= vd
+// have q = 0. kGeneral handles cutoffs and one-hot distributions; the plain path is the hot loop.
+template <Divergence D, bool kGeneral, typename T>
+double divergence_sum(const T* zt, int64_t vt, const Dist& p, const T* zd, int64_t vd, const Dist& q) {
+  const FastLog log_fn;
+  auto log_prob = [](const Dist& d, float logit, int64_t id) {
+    const float s = d.scaled(logit);
+    if (!kGeneral) return s - d.log_sum;
+    if (d.one_hot >= 0) return id == d.one_hot ? 0.0f : -kInf;
+    return s >= d.cut ? s - d.log_sum : -kInf;
+  };
+  double total = 0.0;
+  float lane[kLanes] = {};
+  int64_t j = 0, since_flush = 0;
+  for (; j + kLanes <= vd; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const float lp = log_prob(p, load_logit(zt, j + l), j + l);
+      const float lq = log_prob(q, load_logit(zd, j + l), j + l);
+      lane[l] += divergence_term<D>(exp_nonpositive(lp), lp, exp_nonpositive(lq), lq, log_fn);
+    }
+    if ((since_flush += kLanes) >= kFlushEvery) {
+      for (int l = 0; l < kLanes; ++l) total += lane[l], lane[l] = 0.0f;
+      since_flush = 0;
+    }
+  }
+  for (int l = 0; l < kLanes; ++l) total += lane[l];
+  for (; j < vt; ++j) {  // draft tail and the target-only ids (q = 0)
+    const float lp = log_prob(p, load_logit(zt, j), j);
+    const float lq = j < vd ? log_prob(q, load_logit(zd, j), j) : -kInf;
+    total += divergence_term<D>(exp_nonpositive(lp), lp, exp_nonpositive(lq), lq, log_fn);
+  }
+  return total;
+}
+
+// div_top_k: the divergence over k+1 buckets, the k most probable ids under p (lowest id on ties)
+// and one bucket with the rest of the mass, for p and q alike. A slow path with double scratch.
+template <Divergence D, typename T>
+double divergence_bucketed(const T* zt, int64_t vt, const Dist& p, const T* zd, int64_t vd, const Dist& q,
+                           int64_t k) {
+  std::vector<double> lp(vt), lq(vt);
+  for (int64_t j = 0; j < vt; ++j) {
+    lp[j] = p.log_prob(load_logit(zt, j), j);
+    lq[j] = j < vd ? q.log_prob(load_logit(zd, j), j) : -(double)kInf;
+  }
+  std::vector<int64_t> ids(vt);
+  std::iota(ids.begin(), ids.end(), 0);
+  auto more_probable = [&](int64_t a, int64_t b) { return lp[a] > lp[b] || (lp[a] == lp[b] && a < b); };
+  std::nth_element(ids.begin(), ids.begin() + (k - 1), ids.end(), more_probable);
+  double rest_p = 0.0, rest_q = 0.0, total = 0.0;
+  for (int64_t i = k; i < vt; ++i) rest_p += std::exp(lp[ids[i]]), rest_q += std::exp(lq[ids[i]]);
+  const PreciseLog log_fn;
+  for (int64_t i = 0; i < k; ++i) {
+    const double a = lp[ids[i]], b = lq[ids[i]];
+    total += divergence_term<D>(std::exp(a), a, std::exp(b), b, log_fn);
+  }
+  return total + divergence_term<D>(rest_p, std::log(rest_p), rest_q, std::log(rest_q), log_fn);
+}
+
+template <typename T>
+float divergence(Divergence kind, const T* zt, int64_t vt, const Dist& p, const T* zd, int64_t vd,
+                 const Dist& q, int64_t bucket_top_k) {
+  const bool bucketed = bucket_top_k > 0 && bucket_top_k < vt;
+  const bool general = !p.plain() || !q.plain();
+  auto run = [&](auto tag) -> double {
+    constexpr Divergence kKind = decltype(tag)::value;
+    if (bucketed) return divergence_bucketed<kKind>(zt, vt, p, zd, vd, q, bucket_top_k);
+    return general ? divergence_sum<kKind, true>(zt, vt, p, zd, vd, q)
+                   : divergence_sum<kKind, false>(zt, vt, p, zd, vd, q);
+  };
+  double sum = 0.0;
+  switch (kind) {
+    case Divergence::KL: sum = run(std::integral_constant<Divergence, Divergence::KL>{}); break;
+    case Divergence::RKL: sum = run(std::integral_constant<Divergence, Divergence::RKL>{}); break;
+    case Divergence::JS: sum = run(std::integral_constant<Divergence, Divergence::JS>{}); break;
+    case Divergence::TV: sum = run(std::integral_constant<Divergence, Divergence::TV>{}); break;
+    case Divergence::MKL: sum = run(std::integral_constant<Divergence, Divergence::MKL>{}); break;
+  }
+  return (float)finish_divergence(sum);
+}
+
+// Inverse-CDF sampling over non-negative weights w(j), j < n, with total `total`: the first id
+// whose cumulative weight exceeds u * total (the last positive-weight id if rounding runs past
+// the end). Block sums first, then one block element by element.
+template <typename WeightFn>
+int64_t inverse_cdf(int64_t n, WeightFn weight, double total, double u) {
+  constexpr int64_t kBlock = 64;
+  const double target = u * total;
+  double cumulative = 0.0;
+  int64_t last_positive_block = -1;
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t end = std::min(n, start + kBlock);
+    float block = 0.0f;
+    for (int64_t j = start; j < end; ++j) block += weight(j);
+    if (!(block > 0.0f)) continue;
+    last_positive_block = start;
+    if (cumulative + (double)block * (1.0 + 1e-6) <= target) {  // clearly not in this block
+      cumulative += block;
+      continue;
+    }
+    for (int64_t j = start; j < end; ++j) {
+      cumulative += (double)weight(j);
+      if (cumulative > target) return j;
+    }
+  }
+  if (last_positive_block < 0) return 0;
+  for (int64_t j = std::min(n, last_positive_block + kBlock) - 1; j > last_positive_block; --j)
+    if (weight(j) > 0.0f) return j;
+  return last_positive_block;
+}
+
+}  // namespace cpu
+}  // namespace fsd

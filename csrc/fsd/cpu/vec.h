@@ -1,0 +1,112 @@
+// Building blocks of the CPU kernels that the compiler can vectorise: dtype loads and branch-free
+// exp/log. The row loops in row_ops.h process kLanes elements at a time with fixed-size lane
+// arrays, which GCC and Clang turn into SIMD code (SSE2, or AVX/AVX2/AVX-512 clones, see
+// FSD_CPU_CLONES) without intrinsics, so the same source builds anywhere.
+#pragma once
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace fsd {
+namespace cpu {
+
+constexpr int kLanes = 16;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Storage types of the logits; converted to float on load.
+struct BFloat16 { uint16_t bits; };
+struct Float16 { uint16_t bits; };
+
+inline float bits_to_float(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+inline uint32_t float_to_bits(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits;
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(BFloat16 x) { return bits_to_float((uint32_t)x.bits << 16); }
+inline float to_float(Float16 x) {
+  // Shift the half's exponent and mantissa into float position, then rescale the exponent bias
+  // (15 -> 127) with one multiply; this also turns half subnormals into the right floats.
+  const uint32_t magnitude = x.bits & 0x7FFFu;
+  float value = bits_to_float(magnitude << 13) * 0x1p112f;
+  if (magnitude >= 0x7C00u) value = bits_to_float((magnitude << 13) | 0x7F800000u);  // inf / NaN
+  return bits_to_float(float_to_bits(value) | ((uint32_t)(x.bits & 0x8000u) << 16));
+}
+
+// A logit as the kernels see it: +inf counts as the largest finite float (DESIGN: the limit of a
+// huge logit), so softmax stays defined; NaN stays NaN (it only reaches rows already invalid).
+template <typename T>
+inline float load_logit(const T* row, int64_t j) {
+  const float x = to_float(row[j]);
+  return x < FLT_MAX ? x : (x == kInf ? FLT_MAX : x);
+}
+
+// exp(x) for x <= 0 (all the kernels need), within 2 ulp of std::exp; exactly 0 below -87 and for
+// -inf. Cody-Waite range reduction and the Cephes expf polynomial.
+inline float exp_nonpositive(float x) {
+  const float clamped = x > -87.0f ? (x < 0.0f ? x : 0.0f) : -87.0f;
+  const float t = clamped * 1.44269504088896341f;
+  const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23 trick
+  float r = clamped - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const float scale = bits_to_float((uint32_t)((int32_t)n + 127) << 23);
+  return x > -87.0f ? y * scale : 0.0f;
+}
+
+// log(x) for x >= 0 (log 0 = -inf), within 2 ulp of std::log for normal x. Cephes logf.
+inline float log_nonnegative(float x) {
+  const float safe = x > FLT_MIN ? x : FLT_MIN;
+  const uint32_t bits = float_to_bits(safe);
+  float e = (float)((int32_t)(bits >> 23) - 126);
+  float m = bits_to_float((bits & 0x007FFFFFu) | 0x3F000000u);  // mantissa in [0.5, 1)
+  const bool low = m < 0.707106781186547524f;
+  e = low ? e - 1.0f : e;
+  m = low ? m + m - 1.0f : m - 1.0f;
+  const float z = m * m;
+  float y = 7.0376836292e-2f;
+  y = y * m - 1.1514610310e-1f;
+  y = y * m + 1.1676998740e-1f;
+  y = y * m - 1.2420140846e-1f;
+  y = y * m + 1.4249322787e-1f;
+  y = y * m - 1.6668057665e-1f;
+  y = y * m + 2.0000714765e-1f;
+  y = y * m - 2.4999993993e-1f;
+  y = y * m + 3.3333331174e-1f;
+  y = y * m * z;
+  y += e * -2.12194440e-4f;
+  y += -0.5f * z;
+  const float result = (m + y) + e * 0.693359375f;
+  return x > 0.0f ? result : -kInf;
+}
+
+struct FastLog {
+  inline float operator()(float x) const { return log_nonnegative(x); }
+};
+
+struct PreciseLog {
+  inline double operator()(double x) const { return std::log(x); }
+};
+
+// Float lanes are flushed into a double every this many elements, so sums over 262144 entries
+// keep ~1e-7 relative accuracy.
+constexpr int64_t kFlushEvery = 1024;
+
+}  // namespace cpu
+}  // namespace fsd
