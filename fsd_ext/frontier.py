@@ -231,6 +231,8 @@ _STAT_NAMES = {  # our name -> names fsd_ext.generate's stats may use
     "accepted_hist": ("accepted_histogram", "accept_histogram", "accepted_hist", "histogram"),
     "mean_accepted": ("mean_accepted", "mean_accepted_tokens", "mean_accepted_per_target_call",
                       "mean_accepted_per_call"),
+    "accepted_drafts": ("accepted_drafts",),
+    "verify_steps": ("verifications", "verify_steps"),
     "sd_rejected": ("sd_rejected_accepted", "accepted_sd_would_reject", "sd_rejected"),
 }
 
@@ -263,7 +265,12 @@ def stats_to_generation(stats: Any, text: str, new_tokens: int, seconds: float,
     hist = _stat(stats, "accepted_hist")
     hist = [int(h) for h in _jsonable(hist)] if hist is not None else []
     target_calls = int(_stat(stats, "target_calls") or 0)
-    if hist or rule == "ar":
+    accepted, steps = _stat(stats, "accepted_drafts"), _stat(stats, "verify_steps")
+    if rule == "ar":
+        accepted, steps = 0.0, 0
+    elif accepted is not None and steps is not None:
+        accepted, steps = float(accepted), int(steps)
+    elif hist:
         steps = sum(hist)
         accepted = float(sum(i * h for i, h in enumerate(hist)))
     else:  # only the mean is known; every target call but the prefill is a verification step
@@ -277,6 +284,18 @@ def stats_to_generation(stats: Any, text: str, new_tokens: int, seconds: float,
                       accepted_hist=hist, accepted_drafts=accepted, verify_steps=steps,
                       sd_rejected=None if sd_rejected is None else int(sd_rejected),
                       extra={"stats": _jsonable(stats)})
+
+
+def default_eos_ids(model, tokenizer) -> List[int]:
+    """The tokenizer's EOS and the model's generation-config EOS ids (chat models end turns with
+    their own token, e.g. Qwen's <|im_end|>)."""
+    ids = []
+    for value in (getattr(tokenizer, "eos_token_id", None),
+                  getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        for token in (value if isinstance(value, (list, tuple)) else [value]):
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    return ids
 
 
 def resolve_generate() -> Callable:
@@ -298,7 +317,7 @@ class HFBackend(Backend):
         self.generate_fn = generate_fn or resolve_generate()
         self.chat = humaneval.has_chat_template(tokenizer) if use_chat is None else use_chat
         self.check_sd = check_sd
-        self.eos_token_id = tokenizer.eos_token_id if eos_token_id is None else eos_token_id
+        self.eos_token_id = (default_eos_ids(target, tokenizer) or None) if eos_token_id is None else eos_token_id
         self.use_cuda_graphs = use_cuda_graphs
         self.names = names or {}
         self.device = next(target.parameters()).device

@@ -314,6 +314,15 @@ transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread (and do not crawl when the machine is busy)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 class ByteTokenizer:
     """Bytes are ids 0..255, EOS is 256; no chat template."""
 
@@ -362,7 +371,7 @@ def make_fake_generate(flip_every=0):
     return generate
 
 
-def test_hf_backend_end_to_end_on_tiny_models(tmp_path):
+def test_hf_backend_end_to_end_on_tiny_models(tmp_path, one_thread):
     target, draft = tiny_llama(0, layers=2), tiny_llama(1)
     generate = make_fake_generate(flip_every=3)
     backend = frontier.HFBackend(target, draft, ByteTokenizer(), max_new_tokens=12,
@@ -387,7 +396,7 @@ def test_hf_backend_end_to_end_on_tiny_models(tmp_path):
     assert all(r["new_tokens"] == 24 for r in rows)
 
 
-def test_real_generate_on_tiny_models_if_available(tmp_path):
+def test_real_generate_on_tiny_models_if_available(tmp_path, one_thread):
     try:
         generate = frontier.resolve_generate()
     except ImportError:
