@@ -255,7 +255,10 @@ def _row_seeds(seed, batch: int) -> torch.Tensor:
         seed = int(torch.randint(0, 2**62, ()))
     if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
         return torch.tensor([ops.wrap_int64(int(seed) + b) for b in range(batch)])  # [B]
-    seeds = torch.as_tensor(seed)
+    try:
+        seeds = torch.as_tensor(seed)
+    except (TypeError, ValueError, RuntimeError):
+        seeds = torch.zeros(0)
     if seeds.dtype not in (torch.int32, torch.int64) or seeds.shape != (batch,):
         raise ValueError(f"seed must be an int or [{batch}] ints (one per row), got {seed!r}")
     return seeds.to("cpu", torch.int64)
@@ -335,11 +338,16 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
     models = [_CachedModel(target, pad, capacity, use_graphs)]
     if speculative:
         models.append(_CachedModel(draft, pad, capacity, use_graphs))
-    for cached in models:  # prefill: everything but the last prompt token
-        cached(ids[:, :-1], keep=1, prefill=True)
-        cached.cache.lengths.fill_(prompt_len)
     target_model = models[0]
     draft_model = models[1] if speculative else None
+    # A smaller draft vocabulary can't read the target-only ids the target may emit: the draft sees
+    # id 0 instead (this only changes what it proposes; the target still verifies every token).
+    draft_vocab = _vocab_size(draft) if speculative else 0
+    for_draft = (lambda t: t.masked_fill(t >= draft_vocab, 0)) if speculative and \
+        draft_vocab < _vocab_size(target) else (lambda t: t)
+    for cached, prompt in zip(models, (ids, for_draft(ids))):  # prefill all but the last token
+        cached(prompt[:, :-1], keep=1, prefill=True)
+        cached.cache.lengths.fill_(prompt_len)
 
     pending = ids[:, -1].clone()  # [B] the last token, not yet seen by any model
     last_committed = ids[:, -2].clone()  # [B] the token before it (re-read by the draft)
@@ -363,7 +371,7 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
             draft_input = torch.stack([last_committed, pending], 1)  # [B, 2]
             draft_logits, drafts = [], []
             for i in range(k):
-                logits = draft_model(draft_input, keep=1)[:, 0].float()  # [B, V_d]
+                logits = draft_model(for_draft(draft_input), keep=1)[:, 0].float()  # [B, V_d]
                 draft_model.cache.lengths += draft_input.shape[1]
                 token = _sample(logits, temperature, **sample_args, seed=seeds,
                                 offset=step * k + i).to(device)  # [B]
