@@ -775,33 +775,15 @@ def environment() -> Dict[str, Any]:
 # Models.
 
 def load_model(spec: str, dtype: str = "float32", device: str = "cpu"):
-    """(model, tokenizer) for a name known to fsd_ext.models (the offline Qwen2.5-Coder pair,
-    SmolLM2), a local folder, a .gguf file, or a hub id (needs a network or a local cache)."""
+    """(model, tokenizer) for a built-in name of fsd_ext.models (the offline Qwen2.5-Coder pair,
+    SmolLM2: assembled, checked and converted once into a cache), a folder, a .gguf file, or a hub
+    id (which needs a network or a local cache)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    torch_dtype = getattr(torch, dtype)
-    try:
-        from . import models  # the offline weights (decode branch)
-    except ImportError:
-        models = None
-    if models is not None and not os.path.exists(spec):
-        loader = getattr(models, "load_model", None) or getattr(models, "load", None)
-        if loader is not None:
-            try:
-                loaded = loader(spec, dtype=torch_dtype, device=device)
-            except (KeyError, ValueError):
-                loaded = None  # not a name it knows: fall through to from_pretrained
-            if loaded is not None:
-                return loaded
-    if spec.endswith(".gguf"):
-        folder, name = os.path.split(os.path.abspath(spec))
-        kwargs = dict(gguf_file=name)
-        spec = folder
-    else:
-        kwargs = {}
-    tokenizer = AutoTokenizer.from_pretrained(spec, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(spec, dtype=torch_dtype, **kwargs).to(device).eval()
-    return model, tokenizer
+    from . import models
+    kwargs = {}
+    if spec.endswith(".gguf") and os.path.isfile(spec):
+        spec, kwargs["gguf_file"] = os.path.split(os.path.abspath(spec))
+    return models.load(spec, dtype=getattr(torch, dtype), device=device, **kwargs)
 
 
 # ----------------------------------------------------------------------------------------------
