@@ -842,8 +842,14 @@ def add_frontier_parser(subparsers) -> argparse.ArgumentParser:
                                    description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_arguments(parser)
-    parser.set_defaults(func=run_from_args)
+    parser.set_defaults(func=cli_main)
     return parser
+
+
+def cli_main(args) -> int:
+    """The `func` that add_frontier_parser registers: run, print, return the exit status."""
+    run_from_args(args)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -946,6 +952,4 @@ def latest_setup(store: ResultStore, target: str, draft: str, max_new_tokens: in
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    run_from_args(args)
-    return 0
+    return cli_main(build_parser().parse_args(argv))

@@ -296,8 +296,8 @@ def test_cli_hook_and_run_from_args(tmp_path, capsys):
     args = parser.parse_args(["bench", "frontier", "--problems", "2", "--rules", "ar,sd,fsd",
                               "--divergences", "js", "--thresholds", "js=0.2,0.4", "--out", out,
                               "--no-progress", "--warmup-tokens", "0"])
-    assert args.func is frontier.run_from_args
-    rows = args.func(args, backend=FakeBackend())
+    assert args.func is frontier.cli_main
+    rows = frontier.run_from_args(args, backend=FakeBackend())
     assert [r["label"] for r in rows] == ["AR", "SD", "FSD js T=0.2", "FSD js T=0.4"]
     assert "pass@1" in capsys.readouterr().out
     assert os.path.exists(os.path.join(out, "frontier.png"))
@@ -415,3 +415,18 @@ def test_real_generate_on_tiny_models_if_available(tmp_path, one_thread):
     assert texts["sd/K=5/greedy"] == texts["ar/greedy"] == texts["fsd/js/T=0/K=5/greedy"]
     assert rows["SD"]["sd_rejected_share"] == 0.0
     assert rows["FSD js T=0.69"]["mean_accepted"] >= rows["SD"]["mean_accepted"]
+
+
+@pytest.mark.slow
+def test_smoke_on_real_weights(tmp_path, one_thread):
+    """SmolLM2-135M-Instruct as target and draft (shipped offline): the whole CLI path on real
+    weights; greedy SD with an identical draft accepts every draft and writes AR's text."""
+    out = str(tmp_path / "smoke")
+    assert frontier.main(["--target", "smollm2-135m", "--draft", "smollm2-135m", "--ids", "2",
+                          "--rules", "ar,sd", "--max-new-tokens", "24", "--out", out,
+                          "--no-progress", "--warmup-tokens", "0"]) == 0
+    summary = json.loads(open(os.path.join(out, "summary.json")).read())
+    rows = {r["label"]: r for r in summary["rows"]}
+    assert rows["SD"]["sd_rejected_share"] == 0.0 and rows["AR"]["new_tokens"] == rows["SD"]["new_tokens"]
+    records = [json.loads(line) for line in open(os.path.join(out, "results.jsonl"))]
+    assert len({r["generated_text"] for r in records}) == 1
