@@ -166,6 +166,23 @@ class FakeBackend(frontier.Backend):
                           sd_rejected=0 if config.rule in ("ar", "sd") else 2)
 
 
+def test_generate_stats_mapping():
+    from fsd_ext.generate import GenerateStats
+    stats = GenerateStats(rule="fsd", num_draft_tokens=3, new_tokens=11, seconds=2.0,
+                          target_forwards=5, target_seconds=1.5, draft_forwards=13, draft_seconds=0.4,
+                          verifications=4, accepted_drafts=7, accepted_histogram=[1, 0, 1, 2])
+    gen = frontier.stats_to_generation(stats, "x", 11, 2.5, "fsd")
+    assert (gen.target_calls, gen.draft_calls, gen.verify_steps, gen.accepted_drafts) == (5, 13, 4, 7.0)
+    assert (gen.target_seconds, gen.draft_seconds, gen.accepted_hist) == (1.5, 0.4, [1, 0, 1, 2])
+    assert gen.sd_rejected is None and gen.extra["stats"]["new_tokens"] == 11
+    # Without the totals the histogram gives them; AR has no verification steps.
+    fake = {"target_forwards": 5, "accepted_histogram": [1, 0, 1, 2]}
+    assert frontier.stats_to_generation(fake, "", 0, 1.0, "sd").accepted_drafts == 0 + 2 + 6
+    ar = frontier.stats_to_generation(GenerateStats(rule="ar", num_draft_tokens=0, verifications=9),
+                                      "", 9, 1.0, "ar")
+    assert (ar.verify_steps, ar.accepted_drafts) == (0, 0.0)
+
+
 def test_resume_after_interruption(tmp_path):
     problems = PROBLEMS[:3]
     configs = frontier.build_grid(rules=("ar", "sd"))
