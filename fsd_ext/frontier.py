@@ -60,8 +60,6 @@ DEFAULT_THRESHOLDS: Dict[str, tuple] = {
     "mkl": (0.1, 0.2, 0.4, 0.6, 0.8, 1.2),
 }
 BENCH_RULES = ("ar", "sd", "fsd", "fsd_strict")
-DEFAULT_TARGET = "qwen2.5-coder-1.5b"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b"
 PROMPT_VERSION = 1  # bump when humaneval.format_prompt / extract_completion change
 
 
@@ -790,12 +788,13 @@ def _csv_list(text: str, cast=str) -> List:
 
 
 def add_arguments(parser: argparse.ArgumentParser):
+    from .models import DEFAULT_DRAFT, DEFAULT_TARGET, names
     model = parser.add_argument_group("models")
     model.add_argument("--target", default=DEFAULT_TARGET,
-                       help="target model: a name fsd_ext.models knows, a folder, a .gguf or a hub id")
+                       help=f"target model: one of {', '.join(names())}, a folder, a .gguf file or a hub id")
     model.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model")
-    model.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (GPU default) | float16")
-    model.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    model.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (None: float32 on CPU, bfloat16 on GPU)")
+    model.add_argument("--device", default=None, help="cpu | cuda (None: cuda if available)")
     model.add_argument("--no-cuda-graphs", action="store_true", help="pass use_cuda_graphs=False")
 
     task = parser.add_argument_group("task")
