@@ -7,7 +7,11 @@ is appended to `results.jsonl`, keyed by (setup, configuration, seed, problem). 
 continues where it left off. The summary aggregates per configuration (seeds pooled):
 
     pass_at_1              mean over problems of (passing samples / samples)
-    tokens_per_s           generated tokens / seconds inside generate (summed over problems)
+    tokens_per_s           generated tokens / seconds inside generate (summed over problems; the
+                           prompt forwards included, so short completions on a CPU are dominated
+                           by them)
+    decode_tokens_per_s    the same without the prompt forwards, when generate reports
+                           `stats.prefill_seconds`
     mean_accepted          accepted drafts / verification steps (the correction or bonus token is
                            not counted; 0 for AR)
     tokens_per_target_call generated tokens / target forward calls
@@ -195,6 +199,7 @@ class Generation:
     draft_calls: int = 0               # draft forward passes (prefill included)
     target_seconds: Optional[float] = None
     draft_seconds: Optional[float] = None
+    prefill_seconds: Optional[float] = None  # prompt forwards, when generate reports them
     accepted_hist: List[int] = field(default_factory=list)  # steps that accepted 0, 1, .. K drafts
     accepted_drafts: float = 0.0       # accepted drafts, summed over verification steps
     verify_steps: int = 0              # verification steps (target calls that checked drafts)
@@ -232,6 +237,9 @@ _STAT_NAMES = {  # our name -> the name in fsd_ext.GenerateStats (or a dict of a
     # Not in GenerateStats yet: accepted drafts whose SD test (u * q(d) <= p(d)) failed. Used when
     # present; otherwise counted by a teacher-forced pass under greedy decoding.
     "sd_rejected": "sd_rejected_accepted",
+    # Not in GenerateStats yet: seconds spent in the prompt forwards (target and draft). With it the
+    # summary adds decode-only tokens/s, which on a CPU differs a lot from the end-to-end rate.
+    "prefill_seconds": "prefill_seconds",
 }
 
 
@@ -273,6 +281,7 @@ def stats_to_generation(stats: Any, text: str, new_tokens: int, seconds: float,
                       draft_calls=int(_stat(stats, "draft_calls") or 0),
                       target_seconds=_stat(stats, "target_seconds"),
                       draft_seconds=_stat(stats, "draft_seconds"),
+                      prefill_seconds=_stat(stats, "prefill_seconds"),
                       accepted_hist=hist, accepted_drafts=accepted, verify_steps=steps,
                       sd_rejected=None if sd_rejected is None else int(sd_rejected),
                       extra={"stats": _jsonable(stats)})
@@ -464,7 +473,8 @@ def run_sweep(configs: Sequence[Config], problems: Sequence[Dict[str, str]], bac
                 "generated_text": gen.text, "new_tokens": gen.new_tokens, "seconds": gen.seconds,
                 "wall_s": time.perf_counter() - start, "target_calls": gen.target_calls,
                 "draft_calls": gen.draft_calls, "target_seconds": gen.target_seconds,
-                "draft_seconds": gen.draft_seconds, "accepted_hist": gen.accepted_hist,
+                "draft_seconds": gen.draft_seconds, "prefill_seconds": gen.prefill_seconds,
+                "accepted_hist": gen.accepted_hist,
                 "accepted_drafts": gen.accepted_drafts, "verify_steps": gen.verify_steps,
                 "sd_rejected": gen.sd_rejected, "stats": gen.extra.get("stats"),
                 "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -485,7 +495,8 @@ def run_sweep(configs: Sequence[Config], problems: Sequence[Dict[str, str]], bac
 
 SUMMARY_FIELDS = (
     "label", "group", "rule", "divergence", "threshold", "sampling", "num_draft_tokens", "seeds",
-    "problems", "samples", "pass_at_1", "tokens_per_s", "speedup_vs_ar", "speedup_vs_sd",
+    "problems", "samples", "pass_at_1", "tokens_per_s", "decode_tokens_per_s", "speedup_vs_ar",
+    "speedup_vs_sd",
     "pass_delta_vs_sd", "mean_accepted", "tokens_per_target_call", "target_calls", "draft_calls",
     "target_s", "draft_s", "new_tokens", "generate_s", "wall_s", "accepted_drafts",
     "sd_rejected_share", "pareto",
@@ -512,6 +523,7 @@ def summarize(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
         pass_at_1 = sum(sum(v) / len(v) for v in by_task.values()) / len(by_task)
         new_tokens = sum(r["new_tokens"] for r in recs)
         generate_s = sum(r["seconds"] for r in recs)
+        prefill_s = _sum_optional(r.get("prefill_seconds") for r in recs)
         target_calls = sum(r["target_calls"] for r in recs)
         accepted = float(sum(r["accepted_drafts"] for r in recs))
         steps = sum(r["verify_steps"] for r in recs)
@@ -529,6 +541,8 @@ def summarize(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
             "seeds": len({r["config"]["seed"] for r in recs}), "problems": len(by_task),
             "samples": len(recs), "pass_at_1": pass_at_1,
             "tokens_per_s": new_tokens / generate_s if generate_s > 0 else float("nan"),
+            "decode_tokens_per_s": (new_tokens / (generate_s - prefill_s)
+                                    if prefill_s is not None and generate_s > prefill_s else None),
             "mean_accepted": accepted / steps if steps else 0.0,
             "tokens_per_target_call": new_tokens / target_calls if target_calls else float("nan"),
             "target_calls": target_calls, "draft_calls": sum(r["draft_calls"] for r in recs),

@@ -246,6 +246,10 @@ def test_summary_math():
     assert ar["mean_accepted"] == 0.0 and sd["mean_accepted"] == pytest.approx(24 / 12)
     assert fsd["mean_accepted"] == pytest.approx(32 / 8)
     assert sd["tokens_per_target_call"] == pytest.approx(40 / 14)
+    assert sd["decode_tokens_per_s"] is None  # generate did not report prefill seconds
+    for record, prefill in zip([r for r in records if r["config"]["rule"] == "sd"], (1.0, 3.0)):
+        record["prefill_seconds"] = prefill
+    assert frontier.summarize(records)[1]["decode_tokens_per_s"] == pytest.approx(40 / (8 - 4))
     assert fsd["sd_rejected_share"] == pytest.approx(8 / 32) and sd["sd_rejected_share"] == 0.0
     assert ar["sd_rejected_share"] == 0.0
     assert fsd["wall_s"] == pytest.approx(5.0) and fsd["draft_calls"] == 16
