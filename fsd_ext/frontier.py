@@ -21,8 +21,9 @@ continues where it left off. The summary aggregates per configuration (seeds poo
 "SD alone would have rejected": under greedy decoding SD accepts a draft exactly when it equals the
 target's argmax, and every token the target emits is that argmax, so the count is the number of
 generated tokens that differ from the target's argmax given the same prefix. It is measured with
-one extra teacher-forced target forward over the finished sequence (not timed). It is 0 for AR and
-SD up to floating-point near-ties, which the AR/SD rows show. Under sampling the count needs
+one extra teacher-forced target forward over the finished sequence (not timed), for the FSD rows
+only (it is 0 by definition for AR and SD); a floating-point near-tie between that forward and the
+cached verification could add a rare spurious count. Under sampling the count needs
 per-step information from generate (`stats` field `sd_rejected_accepted`); without it the column is
 empty.
 
@@ -370,7 +371,9 @@ class HFBackend(Backend):
         text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
         gen = stats_to_generation(out.stats, text, len(new_ids), seconds, config.rule)
         check_sd = self.check_sd if check_sd is None else check_sd
-        if gen.sd_rejected is None and check_sd and config.temperature == 0 and new_ids:
+        if config.rule in ("ar", "sd"):
+            gen.sd_rejected = 0  # by definition
+        elif gen.sd_rejected is None and check_sd and config.temperature == 0 and new_ids:
             gen.sd_rejected = self.greedy_mismatches(sequence[:prompt_len + len(new_ids)], prompt_len)
         return gen
 
