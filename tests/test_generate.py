@@ -155,6 +155,17 @@ def test_fsd_threshold_zero_equals_sd(target, draft):
     assert 0 < sd.stats.mean_accepted < 4  # the pair disagrees sometimes: the test means something
 
 
+def test_per_row_threshold(target, draft):
+    ids, mask = random_prompts([5, 5], seed=6)
+    kwargs = dict(rule="fsd", num_draft_tokens=4, max_new_tokens=15, seed=[3, 4], eos_token_id=[],
+                  output_divergences=True)
+    out = fsd_ext.generate(target, draft, ids, mask, threshold=torch.tensor([1e9, 0.0]), **kwargs)
+    sd = fsd_ext.generate(target, draft, ids, mask, threshold=0.0, **kwargs)
+    huge = fsd_ext.generate(target, draft, ids, mask, threshold=1e9, **kwargs)
+    assert out.sequences[0].tolist() == huge.sequences[0].tolist()
+    assert out.sequences[1].tolist() == sd.sequences[1].tolist()
+
+
 def test_fsd_accepts_more_than_sd(target, draft):
     ids, mask = random_prompts([5, 8, 2, 6], seed=6)
     kwargs = dict(num_draft_tokens=4, max_new_tokens=24, temperature=1.0, seed=8, eos_token_id=[])
