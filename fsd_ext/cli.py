@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsd-ext", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    models_help = f"HF directory, hub id, or one of {', '.join(names())}"
+    models_help = f"HF directory, hub id, .gguf file, or one of {', '.join(names())}"
 
     gen = sub.add_parser("generate", help="generate from one prompt")
     gen.add_argument("--target", required=True, help=models_help)
