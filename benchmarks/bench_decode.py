@@ -83,8 +83,12 @@ def main(argv=None):
     parser.add_argument("--divergence", default="js")
     parser.add_argument("--configs", default="ar,hf_ar,sd,hf_assisted,fsd")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice; 1 can win on a busy machine)")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "bench_decode.json"))
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.num_prompts, args.max_new_tokens, args.repeats = 2, 32, 3
 

@@ -63,6 +63,7 @@ def _add_sampling_args(parser, temperature: float):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-chat", dest="chat", action="store_false",
                         help="feed the prompt as is (default: the tokenizer's chat template)")
 
@@ -153,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.command == "generate" and args.rule != "ar" and args.draft is None:
         build_parser().error("--draft is needed unless --rule ar")
     return args.func(args)
