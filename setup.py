@@ -32,7 +32,7 @@ def want_cuda() -> bool:
 def extension():
     cpu_sources = rel("csrc/fsd/cpu/*.cpp") + rel("csrc/torch/*.cpp")
     cuda_sources = rel("csrc/fsd/cuda/*.cu")  # the torch side of CUDA is csrc/torch/*_cuda.cpp
-    cxx_flags = ["-O3", "-std=c++20", "-fno-math-errno", "-Wall", "-Wno-unknown-pragmas"]
+    cxx_flags = ["-O3", "-std=c++20", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd", "-Wall", "-Wno-unknown-pragmas"]
     link_flags = []
     if os.environ.get("FSD_EXT_SANITIZE") == "1":
         sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",

@@ -5,7 +5,9 @@ All rows decode greedily (temperature 0) at batch 1 with the same K, so SD and H
 generation produce the target's greedy text and differ only in speed; FSD trades some of it for
 more accepted drafts. Each configuration runs `--repeats` times per prompt; the table reports the
 median tokens/s (total new tokens / total seconds over the prompts) and the tokens gained per target
-call (for HF: new tokens / target forwards, counted with a hook).
+call (for HF: new tokens / target forwards, counted with a hook). transformers reads the number of
+assistant tokens from the assistant's generation_config, so that is where K is set (hf_assisted);
+hf_assisted_default keeps HF's own choice (K=20 with a confidence-based early stop in 5.x).
 
     python benchmarks/bench_decode.py --quick                   # offline Qwen2.5-Coder 1.5B / 0.5B
     python benchmarks/bench_decode.py --target T --draft D --max-new-tokens 64 --repeats 5
@@ -46,14 +48,27 @@ class ForwardCounter:
 
 
 def run_hf(target, draft, input_ids, k, max_new_tokens, counter):
+    """HF greedy generate; with a draft, assisted generation with K drafts per target call
+    (k=None: HF's defaults, read from the assistant's generation_config: K=20 with a dynamic
+    confidence stop in transformers 5.x)."""
     kwargs = dict(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
                   pad_token_id=target.generation_config.pad_token_id or 0)
+    saved = {}
     if draft is not None:
-        kwargs.update(assistant_model=draft, num_assistant_tokens=k,
-                      num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0)
+        kwargs.update(assistant_model=draft)
+        if k is not None:  # transformers reads these from the *assistant's* generation config
+            fixed_k = dict(num_assistant_tokens=k, num_assistant_tokens_schedule="constant",
+                           assistant_confidence_threshold=0.0)
+            saved = {name: getattr(draft.generation_config, name, None) for name in fixed_k}
+            for name, value in fixed_k.items():
+                setattr(draft.generation_config, name, value)
     counter.count = 0
     start = time.perf_counter()
-    out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+    try:
+        out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+    finally:
+        for name, value in saved.items():
+            setattr(draft.generation_config, name, value)
     seconds = time.perf_counter() - start
     new = out.shape[1] - input_ids.shape[1]
     return new, seconds, counter.count
@@ -81,10 +96,16 @@ def main(argv=None):
     parser.add_argument("--num-draft-tokens", type=int, default=5)
     parser.add_argument("--threshold", type=float, default=0.3)
     parser.add_argument("--divergence", default="js")
-    parser.add_argument("--configs", default="ar,hf_ar,sd,hf_assisted,fsd")
+    parser.add_argument("--configs", default="ar,hf_ar,sd,hf_assisted,fsd",
+                        help="of ar, sd, fsd, greedy, fsd_strict (ours), hf_ar, hf_assisted (same K), "
+                             "hf_assisted_default (HF's own K schedule)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice; 1 can win on a busy machine)")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "bench_decode.json"))
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.num_prompts, args.max_new_tokens, args.repeats = 2, 32, 3
 
@@ -99,18 +120,19 @@ def main(argv=None):
     def one_pass(config):
         tokens = seconds = calls = 0
         for input_ids in prompts:
-            if config in ("hf_ar", "hf_assisted"):
-                n, s, c = run_hf(target, draft if config == "hf_assisted" else None, input_ids,
-                                 args.num_draft_tokens, args.max_new_tokens, counter)
+            if config.startswith("hf_"):
+                n, s, c = run_hf(target, None if config == "hf_ar" else draft, input_ids,
+                                 None if config == "hf_assisted_default" else args.num_draft_tokens,
+                                 args.max_new_tokens, counter)
             else:
                 n, s, c = run_ours(target, draft, input_ids, config, args)
             tokens, seconds, calls = tokens + n, seconds + s, calls + c
         return tokens / seconds, tokens / calls
 
     for config in configs:  # warm-up (first-call allocations, lazy inits)
-        if config in ("hf_ar", "hf_assisted"):
-            run_hf(target, draft if config == "hf_assisted" else None, prompts[0],
-                   args.num_draft_tokens, 4, counter)
+        if config.startswith("hf_"):
+            run_hf(target, None if config == "hf_ar" else draft, prompts[0], args.num_draft_tokens,
+                   4, counter)
         else:
             fsd_ext.generate(target, draft, prompts[0], rule=config, temperature=0.0,
                              max_new_tokens=4, num_draft_tokens=args.num_draft_tokens)

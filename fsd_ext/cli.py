@@ -63,6 +63,7 @@ def _add_sampling_args(parser, temperature: float):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-chat", dest="chat", action="store_false",
                         help="feed the prompt as is (default: the tokenizer's chat template)")
 
@@ -129,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsd-ext", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    models_help = f"HF directory, hub id, or one of {', '.join(names())}"
+    models_help = f"HF directory, hub id, .gguf file, or one of {', '.join(names())}"
 
     gen = sub.add_parser("generate", help="generate from one prompt")
     gen.add_argument("--target", required=True, help=models_help)
@@ -153,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.command == "generate" and args.rule != "ar" and args.draft is None:
         build_parser().error("--draft is needed unless --rule ar")
     return args.func(args)

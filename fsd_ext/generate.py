@@ -319,10 +319,11 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         pad_token_id = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     seeds = _row_seeds(seed, batch).to(device)  # [B]
     sample_args = dict(top_k=top_k, top_p=top_p, min_p=min_p)
-    accept_args = dict(rule=rule, divergence=divergence, threshold=threshold,
-                       temperature=temperature, div_temperature=div_temperature, **sample_args,
+    accept_args = dict(rule=rule, divergence=divergence, temperature=temperature,
+                       div_temperature=div_temperature, **sample_args,
                        return_divergence=output_divergences)
-    threshold_rows = threshold.to(device) if isinstance(threshold, torch.Tensor) else None
+    if isinstance(threshold, torch.Tensor):
+        threshold = threshold.to(device, torch.float32)  # [B] per-row thresholds
 
     # One extra padding slot in front of every row, so that each row has a committed token before
     # `pending` for the draft to re-read (slot 0 is never attended to).
@@ -386,9 +387,8 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
             target_logits = target_model(verify_input, keep=k + 1).float()  # [B, K+1, V_t]
 
             # 3. Accept: one fused call.
-            result = _accept(target_logits, draft_logits, drafts, **dict(
-                accept_args, threshold=threshold_rows if threshold_rows is not None else threshold),
-                seed=seeds, offset=step)
+            result = _accept(target_logits, draft_logits, drafts, threshold=threshold,
+                             **accept_args, seed=seeds, offset=step)
             tokens = result.tokens.to(device)  # [B, K+1]
             num_accepted = result.num_accepted.to(device)  # [B]
             if not bool(result.valid.all()):
@@ -418,12 +418,9 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
                 new = new[:stop + 1]
             generated[row].extend(new)
             stats.new_tokens += len(new)
-            if speculative:
-                stats.verifications += 1
-                stats.accepted_drafts += n
-                stats.accepted_histogram[n] += 1
-            else:
-                stats.verifications += 1
+            stats.verifications += 1
+            stats.accepted_drafts += n
+            stats.accepted_histogram[n] += 1
             if streamer is not None and new:
                 streamer.put(torch.tensor(new))
             if stop is None and len(generated[row]) < max_new_tokens:
@@ -434,8 +431,8 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
             for cached in models:
                 cached.select(keep)
             pending, last_committed, seeds = pending[keep], last_committed[keep], seeds[keep]
-            if threshold_rows is not None:
-                threshold_rows = threshold_rows[keep]
+            if isinstance(threshold, torch.Tensor):
+                threshold = threshold[keep]
 
     if streamer is not None:
         streamer.end()

@@ -211,7 +211,8 @@ def resolve(name_or_path: str) -> str:
 def load(name_or_path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
          convert: bool = True, gguf_file: Optional[str] = None,
          attn_implementation: str = "sdpa"):
-    """-> (model in eval mode, tokenizer) for a built-in name (BUILTIN), an HF directory or hub id.
+    """-> (model in eval mode, tokenizer) for a built-in name (BUILTIN), an HF directory or hub id,
+    or a path to a .gguf file.
 
     gguf_file: load this GGUF file inside the directory `name_or_path` directly. convert=False:
     load a built-in checkpoint from its GGUF every time instead of the converted cache folder.
@@ -219,6 +220,8 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32, device: str = "c
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {}
+    if gguf_file is None and str(name_or_path).endswith(".gguf") and Path(name_or_path).is_file():
+        name_or_path, gguf_file = str(Path(name_or_path).parent), Path(name_or_path).name
     if name_or_path in BUILTIN and not convert:
         gguf = assemble_gguf(BUILTIN[name_or_path])
         name_or_path, gguf_file = str(gguf.parent), gguf.name

@@ -38,6 +38,32 @@ def _ops():
 
 
 # ----------------------------------------------------------------------------------------------
+# Fake (meta) kernels: output shapes for torch.compile and FakeTensor tracing.
+
+if _IMPORT_ERROR is None:
+
+    @torch.library.register_fake("fsd_ext::accept")
+    def _accept_fake(target_logits, draft_logits, draft_tokens, *args):
+        batch, k_plus_1 = target_logits.shape[:2]
+        return (target_logits.new_empty((batch, k_plus_1), dtype=torch.int64),
+                target_logits.new_empty((batch,), dtype=torch.int64),
+                target_logits.new_empty((batch,), dtype=torch.bool),
+                target_logits.new_empty((batch, k_plus_1 - 1), dtype=torch.float32))
+
+    @torch.library.register_fake("fsd_ext::divergence")
+    def _divergence_fake(target_logits, draft_logits, kind, temperature, top_k):
+        return target_logits.new_empty(target_logits.shape[:1], dtype=torch.float32)
+
+    @torch.library.register_fake("fsd_ext::sample")
+    def _sample_fake(logits, *args):
+        return logits.new_empty(logits.shape[:2], dtype=torch.int64)
+
+    @torch.library.register_fake("fsd_ext::philox_uniforms")
+    def _uniforms_fake(seed, offset, seed_per_row, rows, positions, purpose):
+        return seed.new_empty((rows, positions), dtype=torch.float64)
+
+
+# ----------------------------------------------------------------------------------------------
 # Argument normalisation.
 
 def _check_logits(name: str, logits, ndim: int):

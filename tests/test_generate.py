@@ -155,6 +155,17 @@ def test_fsd_threshold_zero_equals_sd(target, draft):
     assert 0 < sd.stats.mean_accepted < 4  # the pair disagrees sometimes: the test means something
 
 
+def test_per_row_threshold(target, draft):
+    ids, mask = random_prompts([5, 5], seed=6)
+    kwargs = dict(rule="fsd", num_draft_tokens=4, max_new_tokens=15, seed=[3, 4], eos_token_id=[],
+                  output_divergences=True)
+    out = fsd_ext.generate(target, draft, ids, mask, threshold=torch.tensor([1e9, 0.0]), **kwargs)
+    sd = fsd_ext.generate(target, draft, ids, mask, threshold=0.0, **kwargs)
+    huge = fsd_ext.generate(target, draft, ids, mask, threshold=1e9, **kwargs)
+    assert out.sequences[0].tolist() == huge.sequences[0].tolist()
+    assert out.sequences[1].tolist() == sd.sequences[1].tolist()
+
+
 def test_fsd_accepts_more_than_sd(target, draft):
     ids, mask = random_prompts([5, 8, 2, 6], seed=6)
     kwargs = dict(num_draft_tokens=4, max_new_tokens=24, temperature=1.0, seed=8, eos_token_id=[])
@@ -360,3 +371,41 @@ def test_real_qwen_pair_few_tokens():
     assert out.sequences.tolist() == expected.tolist()
     out = fsd_ext.generate(target, draft, enc.input_ids, rule="fsd", max_new_tokens=8, seed=0)
     assert out.stats.mean_accepted > 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights and CLI plumbing (no real weights needed).
+
+def test_assemble_gguf_concatenates_in_order_and_checks_sha256(tmp_path, monkeypatch):
+    import hashlib
+
+    from fsd_ext import models
+
+    parts = []
+    for i, data in enumerate([b"GGUF" + b"a" * 100, b"b" * 57, b"c" * 3]):
+        parts.append(tmp_path / f"part{i:02d}.bin")
+        parts[-1].write_bytes(data)
+    whole = b"".join(p.read_bytes() for p in parts)
+    monkeypatch.setenv("FSD_EXT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "ensure_installed", lambda spec: None)
+    monkeypatch.setattr(models, "part_files", lambda spec: parts)
+    spec = models.WeightSpec("fake", ("p1", "p2", "p3"), "1.0", hashlib.sha256(whole).hexdigest(), "")
+    out = models.assemble_gguf(spec)
+    assert out.read_bytes() == whole
+    assert models.assemble_gguf(spec) == out  # the stamp short-circuits the second call
+    bad = models.WeightSpec("bad", spec.packages, "1.0", "0" * 64, "")
+    with pytest.raises(RuntimeError, match="sha256"):
+        models.assemble_gguf(bad)
+
+
+def test_cli_parser():
+    from fsd_ext import cli
+
+    args = cli.build_parser().parse_args(["generate", "--target", "t", "--draft", "d", "--prompt",
+                                          "hi", "--rule", "sd", "--threshold", "0.1"])
+    assert (args.rule, args.threshold, args.num_draft_tokens, args.chat) == ("sd", 0.1, 5, True)
+    args = cli.build_parser().parse_args(["demo"])
+    assert (args.target, args.draft, args.max_new_tokens) == ("qwen2.5-coder-1.5b",
+                                                              "qwen2.5-coder-0.5b", 48)
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--target", "t", "--prompt", "hi"])  # sd/fsd need --draft

@@ -120,13 +120,8 @@ struct AcceptKernel {
   int64_t sample_target(int64_t b, int64_t i, double u) const {
     const RowStats& t = target_stats[b * (pb.max_draft + 1) + i];
     if (t.sample.one_hot >= 0) return t.sample.one_hot;
-    const T* row = target_row(b, i);
-    const Dist& p = t.sample;
-    auto weight = [&](int64_t j) {
-      const float s = p.scaled(load_logit(row, j));
-      return s >= p.cut ? exp_nonpositive(s) : 0.0f;
-    };
-    return inverse_cdf(pb.target_vocab, weight, p.sum, u);
+    const auto weight = kept_exp(target_row(b, i), t.sample);
+    return inverse_cdf(pb.target_vocab, split_weight(pb.target_vocab, weight, weight), t.sample.sum, u);
   }
 
   // A sample of max(0, p_i - q_i), or of p_i when that has no mass.
@@ -137,16 +132,17 @@ struct AcceptKernel {
     const T* target = target_row(b, i);
     const T* draft = draft_row(b, i);
     const Dist &p = t.sample, &q = d.sample;
-    auto weight = [&](int64_t j) {
-      const float sp = p.scaled(load_logit(target, j));
-      const float prob_p = sp >= p.cut ? exp_nonpositive(sp - p.log_sum) : 0.0f;
-      if (j >= pb.draft_vocab) return prob_p;
-      const float sq = q.scaled(load_logit(draft, j));
-      const float prob_q = sq >= q.cut ? exp_nonpositive(sq - q.log_sum) : 0.0f;
-      return prob_p > prob_q ? prob_p - prob_q : 0.0f;
+    auto prob = [](const T* row, const Dist& dist, int64_t j) {
+      const float s = dist.scaled(load_logit(row, j));
+      return s >= dist.cut ? exp_nonpositive(s - dist.log_sum) : 0.0f;
     };
-    double mass = 0.0;
-    for (int64_t j = 0; j < pb.target_vocab; ++j) mass += weight(j);
+    auto residual = [&](int64_t j) {
+      const float diff = prob(target, p, j) - prob(draft, q, j);
+      return diff > 0.0f ? diff : 0.0f;
+    };
+    auto target_only = [&](int64_t j) { return prob(target, p, j); };  // ids >= V_d: q = 0
+    const auto weight = split_weight(pb.draft_vocab, residual, target_only);
+    const double mass = weight.sum(0, pb.target_vocab);
     if (mass <= kResidualMassEps) return sample_target(b, i, u);
     return inverse_cdf(pb.target_vocab, weight, mass, u);
   }
@@ -240,11 +236,8 @@ void sample_rows(const SampleProblem& pb, const ParallelFor& parallel_for) {
         pb.tokens[item] = p.one_hot;
         continue;
       }
-      auto weight = [&](int64_t j) {
-        const float x = p.scaled(load_logit(row, j));
-        return x >= p.cut ? exp_nonpositive(x) : 0.0f;
-      };
-      pb.tokens[item] = inverse_cdf(pb.vocab, weight, p.sum, draw_uniform(pb.key, b, s, Purpose::Draft));
+      const auto weight = kept_exp(row, p);
+      pb.tokens[item] = inverse_cdf(pb.vocab, split_weight(pb.vocab, weight, weight), p.sum, draw_uniform(pb.key, b, s, Purpose::Draft));
     }
   });
 }

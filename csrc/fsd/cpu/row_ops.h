@@ -47,11 +47,12 @@ struct RowScan {
 };
 
 template <typename T>
-RowScan scan_row(const T* row, int64_t n) {
+FSD_CPU_CLONES RowScan scan_row(const T* row, int64_t n) {
   float lane_max[kLanes], lane_check[kLanes];
   for (int l = 0; l < kLanes; ++l) lane_max[l] = -kInf, lane_check[l] = 0.0f;
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
+    FSD_SIMD
     for (int l = 0; l < kLanes; ++l) {
       const float x = to_float(row[j + l]);
       lane_max[l] = x > lane_max[l] ? x : lane_max[l];
@@ -87,28 +88,57 @@ int64_t first_index_of(const T* row, int64_t n, float max) {
   return 0;
 }
 
-// sum over j with s_j >= cut of exp(s_j).
-template <typename T>
-double sum_exp(const T* row, int64_t n, const Dist& d) {
+// sum of w(j) over [begin, end), kLanes at a time; `w` must be branch-free to vectorise.
+template <typename WeightFn>
+FSD_CPU_CLONES double sum_range(int64_t begin, int64_t end, const WeightFn& w) {
   double total = 0.0;
   float lane[kLanes] = {};
-  int64_t j = 0, since_flush = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      const float s = d.scaled(load_logit(row, j + l));
-      lane[l] += s >= d.cut ? exp_nonpositive(s) : 0.0f;
-    }
+  int64_t j = begin, since_flush = 0;
+  for (; j + kLanes <= end; j += kLanes) {
+    FSD_SIMD
+    for (int l = 0; l < kLanes; ++l) lane[l] += w(j + l);
     if ((since_flush += kLanes) >= kFlushEvery) {
       for (int l = 0; l < kLanes; ++l) total += lane[l], lane[l] = 0.0f;
       since_flush = 0;
     }
   }
   for (int l = 0; l < kLanes; ++l) total += lane[l];
-  for (; j < n; ++j) {
-    const float s = d.scaled(load_logit(row, j));
-    total += s >= d.cut ? exp_nonpositive(s) : 0.0f;
-  }
+  for (; j < end; ++j) total += w(j);
   return total;
+}
+
+// Weights over ids [0, n) given by `below(j)` for j < split and `above(j)` for j >= split, so that
+// each side is branch-free (e.g. the residual max(0, p - q) needs draft logits only below V_d).
+template <typename Below, typename Above>
+struct SplitWeight {
+  int64_t split;
+  Below below;
+  Above above;
+  float operator()(int64_t j) const { return j < split ? below(j) : above(j); }
+  double sum(int64_t begin, int64_t end) const {
+    const int64_t mid = std::max(begin, std::min(end, split));
+    return sum_range(begin, mid, below) + sum_range(mid, end, above);
+  }
+};
+
+template <typename Below, typename Above>
+SplitWeight<Below, Above> split_weight(int64_t split, Below below, Above above) {
+  return {split, below, above};
+}
+
+// exp(s_j) over kept ids, unnormalised: the weights of a sample of p (total = d.sum).
+template <typename T>
+auto kept_exp(const T* row, const Dist& d) {
+  return [row, &d](int64_t j) {
+    const float s = d.scaled(load_logit(row, j));
+    return s >= d.cut ? exp_nonpositive(s) : 0.0f;
+  };
+}
+
+// sum over j with s_j >= cut of exp(s_j).
+template <typename T>
+double sum_exp(const T* row, int64_t n, const Dist& d) {
+  return sum_range(0, n, kept_exp(row, d));
 }
 
 // The filter cutoff in s-space (see SamplingFilter): top-k, then top-p on the renormalised top-k
@@ -161,7 +191,7 @@ Dist sampling_dist(const T* row, int64_t n, float max, float tau, const Sampling
 // sum_j divergence_term(p_j, q_j) for target row zt [vt] and draft row zd [vd], vd <= vt; ids >= vd
 // have q = 0. kGeneral handles cutoffs and one-hot distributions; the plain path is the hot loop.
 template <Divergence D, bool kGeneral, typename T>
-double divergence_sum(const T* zt, int64_t vt, const Dist& p, const T* zd, int64_t vd, const Dist& q) {
+FSD_CPU_CLONES double divergence_sum(const T* zt, int64_t vt, const Dist& p, const T* zd, int64_t vd, const Dist& q) {
   const FastLog log_fn;
   auto log_prob = [](const Dist& d, float logit, int64_t id) {
     const float s = d.scaled(logit);
@@ -173,6 +203,7 @@ double divergence_sum(const T* zt, int64_t vt, const Dist& p, const T* zd, int64
   float lane[kLanes] = {};
   int64_t j = 0, since_flush = 0;
   for (; j + kLanes <= vd; j += kLanes) {
+    FSD_SIMD
     for (int l = 0; l < kLanes; ++l) {
       const float lp = log_prob(p, load_logit(zt, j + l), j + l);
       const float lq = log_prob(q, load_logit(zd, j + l), j + l);
@@ -238,22 +269,21 @@ float divergence(Divergence kind, const T* zt, int64_t vt, const Dist& p, const 
   return (float)finish_divergence(sum);
 }
 
-// Inverse-CDF sampling over non-negative weights w(j), j < n, with total `total`: the first id
-// whose cumulative weight exceeds u * total (the last positive-weight id if rounding runs past
-// the end). Block sums first, then one block element by element.
-template <typename WeightFn>
-int64_t inverse_cdf(int64_t n, WeightFn weight, double total, double u) {
-  constexpr int64_t kBlock = 64;
+// Inverse-CDF sampling over non-negative weights (a SplitWeight) of ids [0, n) with total `total`:
+// the first id whose cumulative weight exceeds u * total (the last positive-weight id if rounding
+// runs past the end). Vectorised block sums first, then one block element by element.
+template <typename Weights>
+int64_t inverse_cdf(int64_t n, const Weights& weight, double total, double u) {
+  constexpr int64_t kBlock = 256;
   const double target = u * total;
   double cumulative = 0.0;
   int64_t last_positive_block = -1;
   for (int64_t start = 0; start < n; start += kBlock) {
     const int64_t end = std::min(n, start + kBlock);
-    float block = 0.0f;
-    for (int64_t j = start; j < end; ++j) block += weight(j);
-    if (!(block > 0.0f)) continue;
+    const double block = weight.sum(start, end);
+    if (!(block > 0.0)) continue;
     last_positive_block = start;
-    if (cumulative + (double)block * (1.0 + 1e-6) <= target) {  // clearly not in this block
+    if (cumulative + block * (1.0 + 1e-6) <= target) {  // clearly not in this block
       cumulative += block;
       continue;
     }

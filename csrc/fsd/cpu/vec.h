@@ -10,6 +10,18 @@
 #include <cstring>
 #include <limits>
 
+// The hot row loops are compiled once per x86 SIMD level and picked at load time (GCC/Clang
+// function multi-versioning), so a build runs AVX-512 / AVX2 / AVX code where the CPU has it and
+// SSE2 elsewhere. FSD_NO_CLONES (set by sanitizer builds) turns this off.
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__) && !defined(FSD_NO_CLONES)
+#define FSD_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "avx", "default")))
+#else
+#define FSD_CPU_CLONES
+#endif
+
+// Marks the fixed-width lane loops for the vectoriser (needs -fopenmp-simd; a no-op without it).
+#define FSD_SIMD _Pragma("omp simd")
+
 namespace fsd {
 namespace cpu {
 

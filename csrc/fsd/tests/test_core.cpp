@@ -1,0 +1,174 @@
+// Unit tests of the framework-free core against hand-computed values, without torch (ctest).
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "fsd/cpu/kernels.h"
+#include "fsd/cpu/row_ops.h"
+#include "fsd/philox.h"
+#include "fsd/rules.h"
+
+namespace {
+
+int failures = 0;
+
+#define EXPECT(cond)                                                         \
+  do {                                                                       \
+    if (!(cond)) {                                                           \
+      std::fprintf(stderr, "%s:%d: expected %s\n", __FILE__, __LINE__, #cond); \
+      ++failures;                                                            \
+    }                                                                        \
+  } while (0)
+
+#define EXPECT_NEAR(a, b, tol) EXPECT(std::fabs((double)(a) - (double)(b)) <= (tol))
+
+void test_philox_known_answer() {
+  // Random123's published known-answer vector for Philox4x32-10: counter and key all ones bits.
+  fsd::Philox4x32 counter = {{0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu, 0xFFFFFFFFu}};
+  fsd::Philox4x32 out = fsd::philox4x32_10(counter, 0xFFFFFFFFu, 0xFFFFFFFFu);
+  EXPECT(out.v[0] == 0x408f276du && out.v[1] == 0x41c83b0eu && out.v[2] == 0xa20bc7c6u &&
+         out.v[3] == 0x6d5451fdu);
+  fsd::Philox4x32 zero = {{0, 0, 0, 0}};
+  out = fsd::philox4x32_10(zero, 0, 0);
+  EXPECT(out.v[0] == 0x6627e8d5u && out.v[1] == 0xe169c58du && out.v[2] == 0xbc57ac4cu &&
+         out.v[3] == 0x9b00dbd8u);
+}
+
+void test_uniforms_in_range_and_streams_differ() {
+  double sum = 0.0;
+  for (uint32_t i = 0; i < 10000; ++i) {
+    const double u = fsd::philox_uniform(42, 0, 0, i, fsd::Purpose::Accept);
+    EXPECT(u >= 0.0 && u < 1.0);
+    sum += u;
+  }
+  EXPECT_NEAR(sum / 10000, 0.5, 0.01);
+  EXPECT(fsd::philox_uniform(1, 0, 0, 0, fsd::Purpose::Accept) !=
+         fsd::philox_uniform(1, 0, 0, 0, fsd::Purpose::Sample));
+  EXPECT(fsd::philox_uniform(1, 0, 0, 0, fsd::Purpose::Accept) !=
+         fsd::philox_uniform(1, 1, 0, 0, fsd::Purpose::Accept));
+}
+
+void test_fast_exp_and_log() {
+  for (float x = -86.9f; x <= 0.0f; x += 0.37f)
+    EXPECT_NEAR(fsd::cpu::exp_nonpositive(x), std::exp(x), 3e-7 * std::exp(x) + 1e-38);
+  EXPECT(fsd::cpu::exp_nonpositive(-INFINITY) == 0.0f);
+  EXPECT(fsd::cpu::exp_nonpositive(-100.0f) == 0.0f);
+  for (float x = 1e-30f; x <= 1.0f; x *= 1.7f)
+    EXPECT_NEAR(fsd::cpu::log_nonnegative(x), std::log(x), 3e-7 * std::fabs(std::log(x)) + 1e-7);
+  EXPECT(fsd::cpu::log_nonnegative(0.0f) == -INFINITY);
+}
+
+void test_half_conversions() {
+  EXPECT(fsd::cpu::to_float(fsd::cpu::Float16{0x3C00}) == 1.0f);
+  EXPECT(fsd::cpu::to_float(fsd::cpu::Float16{0xC000}) == -2.0f);
+  EXPECT(fsd::cpu::to_float(fsd::cpu::Float16{0x0001}) == std::ldexp(1.0f, -24));  // subnormal
+  EXPECT(std::isinf(fsd::cpu::to_float(fsd::cpu::Float16{0x7C00})));
+  EXPECT(std::isnan(fsd::cpu::to_float(fsd::cpu::Float16{0x7E00})));
+  EXPECT(fsd::cpu::to_float(fsd::cpu::BFloat16{0x3F80}) == 1.0f);
+}
+
+void test_rules_table() {
+  using fsd::Rule;
+  // sd: accept when u q(d) <= p(d).
+  EXPECT(fsd::accept_draft(Rule::SD, 0.f, 0.f, 0.5, 0.4, 0.2, false));
+  EXPECT(!fsd::accept_draft(Rule::SD, 0.f, 0.f, 0.9, 0.4, 0.5, false));
+  // fsd: also when D < T; T = 0 is sd.
+  EXPECT(fsd::accept_draft(Rule::FSD, 0.1f, 0.2f, 0.9, 0.4, 0.5, false));
+  EXPECT(!fsd::accept_draft(Rule::FSD, 0.2f, 0.2f, 0.9, 0.4, 0.5, false));
+  EXPECT(!fsd::accept_draft(Rule::FSD, 0.0f, 0.0f, 0.9, 0.4, 0.5, false));
+  // fsd_strict: D <= T only, infinite D never.
+  EXPECT(fsd::accept_draft(Rule::FSDStrict, 0.2f, 0.2f, 0.0, 1.0, 0.0, false));
+  EXPECT(!fsd::accept_draft(Rule::FSDStrict, INFINITY, INFINITY, 0.0, 1.0, 0.0, false));
+  EXPECT(fsd::accept_draft(Rule::Greedy, 9.f, 0.f, 0.9, 0.0, 1.0, true));
+  EXPECT(fsd::correction_emit(Rule::SD) == fsd::Emit::Residual);
+  EXPECT(fsd::correction_emit(Rule::FSDStrict) == fsd::Emit::TargetSample);
+  EXPECT(fsd::bonus_emit(Rule::Greedy) == fsd::Emit::TargetArgmax);
+}
+
+// p = (1/2, 1/2), q = (1/4, 3/4) by hand.
+void test_divergences_by_hand() {
+  const float target[2] = {0.0f, 0.0f};
+  const float draft[2] = {std::log(0.25f), std::log(0.75f)};
+  fsd::DivergenceProblem pb;
+  pb.rows = 1;
+  pb.target_vocab = pb.draft_vocab = 2;
+  pb.target_logits = target;
+  pb.draft_logits = draft;
+  pb.target_stride = pb.draft_stride = 2;
+  const double m0 = 0.375, m1 = 0.625;
+  const double expected[5] = {
+      0.5 * std::log(2.0) + 0.5 * std::log(2.0 / 3.0),
+      0.25 * std::log(0.5) + 0.75 * std::log(1.5),
+      0.5 * (0.5 * std::log(0.5 / m0) + 0.5 * std::log(0.5 / m1)) +
+          0.5 * (0.25 * std::log(0.25 / m0) + 0.75 * std::log(0.75 / m1)),
+      0.25,
+      0.5 * (m0 * std::log(m0 / 0.5) + m1 * std::log(m1 / 0.5)) +
+          0.5 * (m0 * std::log(m0 / 0.25) + m1 * std::log(m1 / 0.75)),
+  };
+  for (int kind = 0; kind < 5; ++kind) {
+    float out = -1.0f;
+    pb.divergence = (fsd::Divergence)kind;
+    pb.out = &out;
+    fsd::cpu::divergence(pb);
+    EXPECT_NEAR(out, expected[kind], 1e-6);
+  }
+}
+
+// A draft that equals the target is always accepted under sd; a NaN row is invalid.
+void test_accept_end_to_end() {
+  const int64_t batch = 2, k = 2, vocab = 5;
+  std::vector<float> target(batch * (k + 1) * vocab), draft(batch * k * vocab);
+  for (size_t i = 0; i < target.size(); ++i) target[i] = (float)((i * 7) % 5) * 0.5f;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < k; ++i)
+      std::memcpy(&draft[(b * k + i) * vocab], &target[(b * (k + 1) + i) * vocab], vocab * sizeof(float));
+  draft[(1 * k + 1) * vocab + 2] = NAN;
+  std::vector<int64_t> tokens = {1, 3, 0, 4}, out_tokens(batch * (k + 1)), accepted(batch);
+  std::vector<float> divergences(batch * k);
+  bool valid[2] = {false, false};
+  fsd::AcceptProblem pb;
+  pb.batch = batch;
+  pb.max_draft = k;
+  pb.target_vocab = pb.draft_vocab = vocab;
+  pb.target_logits = target.data();
+  pb.target_stride_b = (k + 1) * vocab;
+  pb.target_stride_k = vocab;
+  pb.draft_logits = draft.data();
+  pb.draft_stride_b = k * vocab;
+  pb.draft_stride_k = vocab;
+  pb.draft_tokens = tokens.data();
+  pb.rule = fsd::Rule::SD;
+  pb.threshold.scalar = 0.0f;
+  pb.temperature.scalar = 1.0f;
+  pb.div_temperature.scalar = 1.0f;
+  pb.key.seed.scalar = 3;
+  pb.tokens = out_tokens.data();
+  pb.num_accepted = accepted.data();
+  pb.valid = valid;
+  pb.divergences = divergences.data();
+  fsd::cpu::accept(pb);
+  EXPECT(valid[0] && !valid[1]);
+  EXPECT(accepted[0] == 2 && out_tokens[0] == 1 && out_tokens[1] == 3);
+  EXPECT(out_tokens[2] >= 0 && out_tokens[2] < vocab);
+  EXPECT(out_tokens[3] == -1 && out_tokens[4] == -1 && out_tokens[5] == -1 && accepted[1] == 0);
+  EXPECT(std::fabs(divergences[0]) < 1e-6f && std::isnan(divergences[2]));
+}
+
+}  // namespace
+
+int main() {
+  test_philox_known_answer();
+  test_uniforms_in_range_and_streams_differ();
+  test_fast_exp_and_log();
+  test_half_conversions();
+  test_rules_table();
+  test_divergences_by_hand();
+  test_accept_end_to_end();
+  if (failures) {
+    std::fprintf(stderr, "%d check(s) failed\n", failures);
+    return 1;
+  }
+  std::printf("all core checks passed\n");
+  return 0;
+}

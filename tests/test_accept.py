@@ -1,0 +1,221 @@
+"""The fused CPU kernel against the pure-torch reference: same tokens and counts from the same seed
+(so the same Philox uniforms), divergences within 1e-5 relative, across shapes, dtypes, rules,
+divergences, temperatures, filters, ragged K and smaller draft vocabularies."""
+
+import pytest
+import torch
+
+import fsd_ext
+from fsd_ext import reference
+from helpers import assert_same_result, both, make_problem
+
+RULES = ["greedy", "sd", "fsd", "fsd_strict"]
+DIVERGENCES = ["kl", "rkl", "js", "tv", "mkl"]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_rules_and_divergences(rule, divergence):
+    target, draft, tokens = make_problem(48, 4, 1000, seed=1)
+    kernel, ref = both(target, draft, tokens, rule=rule, divergence=divergence, threshold=0.25,
+                       seed=7, return_divergence=True)
+    assert_same_result(kernel, ref)
+    if rule in ("sd", "fsd"):  # the problem is built so that both outcomes occur
+        assert 0 < kernel.num_accepted.sum() < 48 * 4
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch,k,vocab", [(1, 0, 1), (3, 2, 1), (5, 3, 2), (9, 8, 7), (4, 5, 8193),
+                                           (2, 4, 32000), (2, 3, 151936), (64, 1, 33)])
+def test_shapes_and_dtypes(dtype, batch, k, vocab):
+    target, draft, tokens = make_problem(batch, k, vocab, dtype=dtype, seed=vocab + k)
+    for rule in ("sd", "fsd"):
+        kernel, ref = both(target, draft, tokens, rule=rule, divergence="js", threshold=0.1, seed=3,
+                           return_divergence=True)
+        assert_same_result(kernel, ref)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.3, 1.0, 2.5])
+@pytest.mark.parametrize("rule", RULES)
+def test_temperatures(temperature, rule):
+    target, draft, tokens = make_problem(32, 3, 500, seed=11)
+    kernel, ref = both(target, draft, tokens, rule=rule, divergence="kl", threshold=0.3,
+                       temperature=temperature, seed=5, return_divergence=True)
+    assert_same_result(kernel, ref)
+
+
+def test_greedy_temperature_zero_emits_target_argmax():
+    target, draft, tokens = make_problem(16, 3, 200, seed=2)
+    tokens = draft.argmax(-1)  # greedy drafting
+    res = fsd_ext.accept(target, draft, tokens, rule="sd", temperature=0.0, seed=0)
+    argmax = target.argmax(-1)
+    for b in range(16):
+        n = int(res.num_accepted[b])
+        assert torch.equal(res.tokens[b, :n], argmax[b, :n])
+        assert res.tokens[b, n] == argmax[b, n]
+
+
+@pytest.mark.parametrize("filters", [dict(top_k=5), dict(top_p=0.8), dict(min_p=0.05),
+                                     dict(top_k=50, top_p=0.9, min_p=0.01), dict(top_k=1)])
+@pytest.mark.parametrize("rule", ["sd", "fsd", "fsd_strict"])
+def test_filters(filters, rule):
+    target, draft, tokens = make_problem(32, 3, 300, seed=4, scale=3.0)
+    kernel, ref = both(target, draft, tokens, rule=rule, divergence="js", threshold=0.2, seed=9,
+                       return_divergence=True, **filters)
+    assert_same_result(kernel, ref)
+
+
+def test_filtered_tokens_are_never_emitted():
+    target, draft, tokens = make_problem(64, 2, 100, seed=5, scale=3.0)
+    res = fsd_ext.accept(target, draft, tokens, rule="sd", top_k=3, seed=1)
+    top3 = target.topk(3, dim=-1).indices  # [B, K+1, 3]
+    for b in range(64):
+        n = int(res.num_accepted[b])
+        assert res.tokens[b, n] in top3[b, n]
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_ragged_num_draft(rule):
+    target, draft, tokens = make_problem(24, 5, 400, seed=6)
+    num_draft = torch.arange(24) % 6  # 0..5
+    target[num_draft == 2, 4] = float("nan")  # positions past num_draft are never read
+    kernel, ref = both(target, draft, tokens, rule=rule, threshold=0.3, num_draft=num_draft, seed=2,
+                       return_divergence=True)
+    assert_same_result(kernel, ref)
+    assert (kernel.num_accepted <= num_draft).all()
+    assert kernel.valid.all()
+    assert kernel.divergence[num_draft == 0].isnan().all()
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_draft_vocab_smaller_than_target(rule):
+    target, draft, tokens = make_problem(32, 3, 520, draft_vocab=500, seed=8)
+    target[..., 500:] += 4.0  # ids the draft cannot propose carry real target mass
+    kernel, ref = both(target, draft, tokens, rule=rule, divergence="js", threshold=0.4, seed=4,
+                       return_divergence=True)
+    assert_same_result(kernel, ref)
+    assert (kernel.tokens >= 500).any()  # corrections reach the target-only ids
+
+
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_kl_family_infinite_when_draft_lacks_ids(divergence):
+    target, draft, _ = make_problem(4, 1, 50, draft_vocab=40, seed=3)
+    d = fsd_ext.divergence(target[:, 0], draft[:, 0], kind=divergence)
+    r = reference.divergence(target[:, 0], draft[:, 0], kind=divergence)
+    torch.testing.assert_close(d, r, rtol=1e-5, atol=1e-6)
+    assert d.isinf().all() == (divergence in ("kl", "mkl"))
+
+
+def test_per_row_threshold_temperature_and_div_options():
+    target, draft, tokens = make_problem(16, 4, 700, seed=12)
+    threshold = torch.linspace(0.0, 0.6, 16)
+    temperature = torch.tensor([0.0, 0.5, 1.0, 1.5] * 4)
+    for div_temperature in (None, 1.0, torch.full((16,), 0.7)):
+        for div_top_k in (None, 10):
+            kernel, ref = both(target, draft, tokens, rule="fsd", divergence="js", threshold=threshold,
+                               temperature=temperature, div_temperature=div_temperature,
+                               div_top_k=div_top_k, seed=torch.arange(16), return_divergence=True)
+            assert_same_result(kernel, ref)
+
+
+def test_div_top_k_buckets():
+    target, draft, _ = make_problem(8, 1, 1000, seed=13)
+    for k in (1, 5, 999, 5000):
+        for kind in DIVERGENCES:
+            d = fsd_ext.divergence(target[:, 0], draft[:, 0], kind=kind, top_k=k)
+            r = reference.divergence(target[:, 0], draft[:, 0], kind=kind, top_k=k)
+            torch.testing.assert_close(d, r, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", DIVERGENCES)
+def test_divergence_op(dtype, kind):
+    gen = torch.Generator().manual_seed(0)
+    target = (torch.randn(3, 5, 4099, generator=gen) * 2).to(dtype)
+    draft = (torch.randn(3, 5, 4099, generator=gen) * 2).to(dtype)
+    for temperature in (0.5, 1.0, 3.0):
+        d = fsd_ext.divergence(target, draft, kind=kind, temperature=temperature)
+        assert d.shape == (3, 5) and d.dtype == torch.float32
+        torch.testing.assert_close(d, reference.divergence(target, draft, kind=kind, temperature=temperature),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_divergence_of_identical_distributions_is_zero():
+    logits = torch.randn(4, 32000)
+    for kind in DIVERGENCES:
+        assert fsd_ext.divergence(logits, logits.clone(), kind=kind).abs().max() < 1e-6
+
+
+def test_divergence_values_by_hand():
+    # p = (1/2, 1/2), q = (1/4, 3/4): closed forms.
+    import math
+    target = torch.log(torch.tensor([[0.5, 0.5]]))
+    draft = torch.log(torch.tensor([[0.25, 0.75]]))
+    m = [0.375, 0.625]
+    expected = {
+        "kl": 0.5 * math.log(2) + 0.5 * math.log(2 / 3),
+        "rkl": 0.25 * math.log(0.5) + 0.75 * math.log(1.5),
+        "tv": 0.25,
+        "js": 0.5 * (0.5 * math.log(0.5 / m[0]) + 0.5 * math.log(0.5 / m[1]))
+        + 0.5 * (0.25 * math.log(0.25 / m[0]) + 0.75 * math.log(0.75 / m[1])),
+        "mkl": 0.5 * (m[0] * math.log(m[0] / 0.5) + m[1] * math.log(m[1] / 0.5))
+        + 0.5 * (m[0] * math.log(m[0] / 0.25) + m[1] * math.log(m[1] / 0.75)),
+    }
+    for kind, value in expected.items():
+        assert fsd_ext.divergence(target, draft, kind=kind).item() == pytest.approx(value, rel=1e-6)
+
+
+@pytest.mark.parametrize("filters", [dict(), dict(top_k=4), dict(top_p=0.7), dict(min_p=0.1)])
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_sample_op_matches_reference(filters, temperature):
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(16, 3, 1001, generator=gen) * 2
+    for seed in (0, torch.arange(16)):
+        tokens = fsd_ext.sample(logits, temperature=temperature, seed=seed, offset=3, **filters)
+        expected = reference.sample(logits, temperature=temperature, seed=seed, offset=3, **filters)
+        assert torch.equal(tokens, expected)
+    assert fsd_ext.sample(logits[0, 0], seed=0).shape == ()
+    assert fsd_ext.sample(logits[:, 0], seed=0).shape == (16,)
+
+
+def test_uniforms_op_equals_reference_philox():
+    for seed in (0, 1, -5, 2**62 + 3):
+        for purpose, code in (("accept", 1), ("sample", 2), ("draft", 3)):
+            u = fsd_ext.philox_uniforms(seed, 11, rows=5, positions=7, purpose=purpose)
+            assert torch.equal(u, reference.philox_uniforms(seed, 11, 5, 7, code))
+            assert (u >= 0).all() and (u < 1).all()
+    per_row = torch.tensor([3, 1, 4], dtype=torch.int64)
+    assert torch.equal(fsd_ext.philox_uniforms(per_row, 0, 3, 2, "accept"),
+                       reference.philox_uniforms(per_row, 0, 3, 2, 1))
+
+
+def test_fed_uniforms_reproduce_kernel_tokens():
+    """The reference fed the kernel's uniforms (via the exposed generator op) agrees exactly."""
+    target, draft, tokens = make_problem(20, 4, 600, seed=21)
+    res = fsd_ext.accept(target, draft, tokens, rule="fsd", threshold=0.2, seed=99, offset=5)
+    coins = fsd_ext.philox_uniforms(99, 5, 20, 4, "accept")
+    samples = fsd_ext.philox_uniforms(99, 5, 20, 5, "sample")
+    ref = reference.accept(target, draft, tokens, rule="fsd", threshold=0.2, coin_uniforms=coins,
+                           sample_uniforms=samples)
+    assert torch.equal(res.tokens, ref.tokens)
+
+
+def test_strided_logits_are_read_in_place():
+    target, draft, tokens = make_problem(6, 3, 257, seed=14)
+    wide = torch.randn(6, 9, 257)
+    wide[:, 2:6] = target  # a slice of a longer sequence of logits, as a model returns them
+    kernel = fsd_ext.accept(wide[:, 2:6], draft, tokens, seed=1, return_divergence=True)
+    ref = reference.accept(target, draft, tokens, seed=1, return_divergence=True)
+    assert_same_result(kernel, ref)
+
+
+def test_fsd_with_zero_threshold_is_sd_and_huge_threshold_accepts_all():
+    target, draft, tokens = make_problem(40, 4, 300, seed=15)
+    sd = fsd_ext.accept(target, draft, tokens, rule="sd", seed=3)
+    fsd0 = fsd_ext.accept(target, draft, tokens, rule="fsd", threshold=0.0, seed=3)
+    assert torch.equal(sd.tokens, fsd0.tokens)
+    all_in = fsd_ext.accept(target, draft, tokens, rule="fsd", threshold=1e9, seed=3)
+    assert (all_in.num_accepted == 4).all()
+    assert torch.equal(all_in.tokens[:, :4], tokens)
+    assert (fsd0.num_accepted <= all_in.num_accepted).all()
