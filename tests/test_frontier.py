@@ -345,7 +345,13 @@ def test_cli_hook_and_run_from_args(tmp_path, capsys):
     again = frontier.run_from_args(summary_args)
     assert [r["pass_at_1"] for r in again] == [r["pass_at_1"] for r in rows]
     assert os.path.exists(os.path.join(out, "summary.csv"))
-    # --ids and --all select problems; --summarize-only needs no models.
+    # Sampling on request: every seed is its own sample, pooled per configuration.
+    sampled = frontier.configs_from_args(frontier.build_parser().parse_args(
+        ["--rules", "sd,fsd", "--divergences", "rkl", "--thresholds", "rkl=1", "--temperature", "0.8",
+         "--top-p", "0.95", "--seeds", "0,1,2"]))
+    assert len(sampled) == 6 and {c.seed for c in sampled} == {0, 1, 2}
+    assert sampled[1].generate_kwargs()["top_p"] == 0.95 and len({c.group for c in sampled}) == 2
+    # --ids and --all select problems.
     assert [p["task_id"] for p in frontier.problems_from_args(
         frontier.build_parser().parse_args(["--ids", "5,HumanEval/9"]))] == ["HumanEval/5", "HumanEval/9"]
     assert len(frontier.problems_from_args(frontier.build_parser().parse_args(["--all"]))) == 164
