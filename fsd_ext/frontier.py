@@ -791,10 +791,7 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu"):
     id (which needs a network or a local cache)."""
     import torch
     from . import models
-    kwargs = {}
-    if spec.endswith(".gguf") and os.path.isfile(spec):
-        spec, kwargs["gguf_file"] = os.path.split(os.path.abspath(spec))
-    return models.load(spec, dtype=getattr(torch, dtype), device=device, **kwargs)
+    return models.load(spec, dtype=getattr(torch, dtype), device=device)
 
 
 # ----------------------------------------------------------------------------------------------
