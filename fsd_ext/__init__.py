@@ -8,6 +8,7 @@ Fused CPU/CUDA kernels for the verification step (`accept`), the divergences (`d
 from . import reference
 from .ops import accept, divergence, philox_uniforms, sample
 from .types import DIVERGENCES, RULES, AcceptResult
+from .generate import GenerateOutput, GenerateStats, generate
 
 __version__ = "0.1.0"
 __all__ = ["accept", "divergence", "sample", "philox_uniforms", "reference", "AcceptResult",

@@ -1,0 +1,165 @@
+"""`fsd-ext` command line: `generate` (one prompt, any model pair) and `demo` (AR vs SD vs FSD on a
+few coding prompts with the offline Qwen2.5-Coder 1.5B/0.5B pair, or any pair you name).
+
+    fsd-ext demo                                    # offline Qwen2.5-Coder 1.5B / 0.5B
+    fsd-ext generate --target T --draft D --prompt "def quicksort(xs):" --rule fsd --threshold 0.3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+import torch
+
+DEMO_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Write a Python function that checks whether a string is a palindrome, ignoring case.",
+    "Write a Python function that merges two sorted lists into one sorted list.",
+    "Write a Python function that counts the words in a text file.",
+]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return DTYPES[name]
+
+
+def _load_pair(args, need_draft: bool):
+    from . import models
+    from .generate import check_tokenizers
+
+    dtype = _dtype(args.dtype, args.device)
+    print(f"loading target {args.target} ...", file=sys.stderr, flush=True)
+    target, tokenizer = models.load(args.target, dtype=dtype, device=args.device)
+    draft = None
+    if need_draft:
+        print(f"loading draft {args.draft} ...", file=sys.stderr, flush=True)
+        draft, draft_tokenizer = models.load(args.draft, dtype=dtype, device=args.device)
+        check_tokenizers(tokenizer, draft_tokenizer)
+    return target, draft, tokenizer
+
+
+def _encode(tokenizer, prompt: str, chat: bool, device: str):
+    if chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+    else:
+        text = prompt
+    return tokenizer(text, return_tensors="pt").input_ids.to(device)  # [1, P]
+
+
+def _add_sampling_args(parser, temperature: float):
+    parser.add_argument("--divergence", default="js", choices=["kl", "rkl", "js", "tv", "mkl"])
+    parser.add_argument("--threshold", type=float, default=0.3, help="FSD threshold T")
+    parser.add_argument("--num-draft-tokens", type=int, default=5, help="K drafts per target call")
+    parser.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--no-chat", dest="chat", action="store_false",
+                        help="feed the prompt as is (default: the tokenizer's chat template)")
+
+
+def _generate_kwargs(args, rule: str) -> dict:
+    return dict(rule=rule, divergence=args.divergence, threshold=args.threshold,
+                num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                seed=args.seed)
+
+
+def cmd_generate(args) -> int:
+    from transformers import TextStreamer
+
+    from .generate import generate
+
+    target, draft, tokenizer = _load_pair(args, need_draft=args.rule != "ar")
+    input_ids = _encode(tokenizer, args.prompt, args.chat, args.device)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) \
+        if args.stream else None
+    out = generate(target, draft, input_ids, streamer=streamer, **_generate_kwargs(args, args.rule))
+    if not args.stream:
+        print(tokenizer.decode(out.sequences[0, input_ids.shape[1]:], skip_special_tokens=True))
+    print(out.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .generate import generate
+
+    rules = args.rules.split(",")
+    target, draft, tokenizer = _load_pair(args, need_draft=any(r != "ar" for r in rules))
+    prompts = DEMO_PROMPTS[:args.num_prompts]
+    encoded = [_encode(tokenizer, p, args.chat, args.device) for p in prompts]
+    generate(target, draft, encoded[0], **dict(_generate_kwargs(args, rules[-1]), max_new_tokens=4))
+    rows = []
+    for rule in rules:
+        tokens = seconds = verifications = accepted = 0.0
+        for index, input_ids in enumerate(encoded):
+            out = generate(target, draft, input_ids, **_generate_kwargs(args, rule))
+            stats = out.stats
+            tokens, seconds = tokens + stats.new_tokens, seconds + stats.seconds
+            verifications += stats.verifications
+            accepted += stats.accepted_drafts
+            print(f"{rule} | prompt {index}: {stats.summary()}", file=sys.stderr, flush=True)
+            if index == 0 and args.show_text:
+                text = tokenizer.decode(out.sequences[0, input_ids.shape[1]:], skip_special_tokens=True)
+                print(f"--- {rule}, prompt 0 ---\n{text}\n", flush=True)
+        rows.append((rule, tokens / seconds, tokens / verifications, accepted / verifications))
+    base = next((r[1] for r in rows if r[0] == "ar"), None)
+    print(f"\n{args.target} <- {args.draft}, K={args.num_draft_tokens}, T={args.threshold} "
+          f"({args.divergence}), temperature={args.temperature}, {len(prompts)} prompts x "
+          f"{args.max_new_tokens} tokens, {args.device} {torch.get_num_threads()} threads")
+    print(f"{'rule':<10} {'tokens/s':>9} {'tokens/call':>12} {'accepted/call':>14} {'speed-up':>9}")
+    for rule, tps, per_call, acc in rows:
+        speedup = f"{tps / base:.2f}x" if base else "-"
+        print(f"{rule:<10} {tps:>9.2f} {per_call:>12.2f} {acc:>14.2f} {speedup:>9}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .models import DEFAULT_DRAFT, DEFAULT_TARGET, names
+
+    parser = argparse.ArgumentParser(prog="fsd-ext", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    models_help = f"HF directory, hub id, .gguf file, or one of {', '.join(names())}"
+
+    gen = sub.add_parser("generate", help="generate from one prompt")
+    gen.add_argument("--target", required=True, help=models_help)
+    gen.add_argument("--draft", default=None, help=models_help + " (not needed for --rule ar)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--rule", default="fsd", choices=["ar", "greedy", "sd", "fsd", "fsd_strict"])
+    gen.add_argument("--stream", action="store_true", help="print tokens as they come")
+    _add_sampling_args(gen, temperature=1.0)
+    gen.set_defaults(func=cmd_generate)
+
+    demo = sub.add_parser("demo", help="AR vs SD vs FSD on a few coding prompts")
+    demo.add_argument("--target", default=DEFAULT_TARGET, help=models_help)
+    demo.add_argument("--draft", default=DEFAULT_DRAFT, help=models_help)
+    demo.add_argument("--rules", default="ar,sd,fsd", help="comma-separated rules to compare")
+    demo.add_argument("--num-prompts", type=int, default=3, choices=range(1, len(DEMO_PROMPTS) + 1))
+    demo.add_argument("--show-text", action="store_true", help="print each rule's first answer")
+    _add_sampling_args(demo, temperature=0.0)
+    demo.set_defaults(func=cmd_demo, max_new_tokens=48)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.command == "generate" and args.rule != "ar" and args.draft is None:
+        build_parser().error("--draft is needed unless --rule ar")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

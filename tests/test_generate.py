@@ -1,0 +1,411 @@
+"""The decoding loop (fsd_ext.generate) on tiny randomly initialised Llama models (CPU, fast), and on
+real weights when run with --runslow."""
+
+import pytest
+import torch
+
+import fsd_ext
+from fsd_ext.generate import check_tokenizers
+
+transformers = pytest.importorskip("transformers")
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+VOCAB = 128
+EOS, PAD = 2, 0
+
+
+def tiny_llama(seed, layers=2, vocab=VOCAB, logit_scale=1.0, dtype=torch.float32):
+    """A randomly initialised Llama; logit_scale > 1 makes its next-token distributions peakier."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, bos_token_id=1, eos_token_id=EOS,
+                         pad_token_id=PAD, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    model.lm_head.weight.data *= logit_scale
+    return model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models run far faster on one thread (no OpenMP hand-offs), above all on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(0, layers=2, logit_scale=8.0)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    # Shares the target's lower layer and embeddings, so the two models agree often but not always.
+    model = tiny_llama(1, layers=1, logit_scale=8.0)
+    t = tiny_llama(0, layers=2, logit_scale=8.0)
+    model.model.embed_tokens.load_state_dict(t.model.embed_tokens.state_dict())
+    model.model.layers[0].load_state_dict(t.model.layers[0].state_dict())
+    model.lm_head.load_state_dict(t.lm_head.state_dict())
+    return model
+
+
+def random_prompts(lengths, seed=0):
+    """Left-padded prompts of the given lengths -> (input_ids [B, P], attention_mask [B, P])."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, width - length:] = torch.randint(3, VOCAB, (length,), generator=gen)
+        mask[row, width - length:] = 1
+    return ids, mask
+
+
+def new_tokens(out, prompt_width):
+    """Per row, the generated tokens up to the padding after the end."""
+    rows = []
+    for row in out.sequences[:, prompt_width:].tolist():
+        while row and row[-1] == PAD:
+            row.pop()
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Greedy equals the target's own greedy decoding.
+
+@pytest.mark.parametrize("rule", ["ar", "greedy", "sd", "fsd"])
+def test_greedy_matches_hf_generate_batch1(target, draft, rule):
+    ids, mask = random_prompts([9], seed=1)
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=24,
+                               pad_token_id=PAD)
+    out = fsd_ext.generate(target, draft, ids, mask, rule=rule, temperature=0.0, threshold=0.0,
+                           num_draft_tokens=4, max_new_tokens=24, seed=0)
+    assert out.sequences.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("rule", ["ar", "greedy"])
+def test_greedy_matches_hf_generate_batch4_left_padded(target, draft, rule):
+    ids, mask = random_prompts([3, 11, 1, 6], seed=2)
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20,
+                               pad_token_id=PAD)
+    out = fsd_ext.generate(target, draft, ids, mask, rule=rule, temperature=0.0,
+                           num_draft_tokens=3, max_new_tokens=20)
+    assert out.sequences.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("rule,temperature", [("greedy", 0.0), ("sd", 1.0), ("fsd", 0.8)])
+def test_batch_equals_single_rows(target, draft, rule, temperature):
+    lengths = [4, 10, 1, 7]
+    ids, mask = random_prompts(lengths, seed=3)
+    seeds = torch.tensor([11, 22, 33, 44])
+    kwargs = dict(rule=rule, temperature=temperature, threshold=0.2, num_draft_tokens=4,
+                  max_new_tokens=16, eos_token_id=[])
+    batched = new_tokens(fsd_ext.generate(target, draft, ids, mask, seed=seeds, **kwargs), ids.shape[1])
+    for row, length in enumerate(lengths):
+        single = fsd_ext.generate(target, draft, ids[row:row + 1, -length:], seed=seeds[row:row + 1],
+                                  **kwargs)
+        assert new_tokens(single, length)[0] == batched[row], f"row {row}"
+
+
+def test_int_seed_gives_row_b_seed_plus_b(target, draft):
+    ids, mask = random_prompts([5, 5], seed=4)
+    kwargs = dict(rule="fsd", num_draft_tokens=3, max_new_tokens=12, eos_token_id=[])
+    both = fsd_ext.generate(target, draft, ids, mask, seed=100, **kwargs).sequences
+    second = fsd_ext.generate(target, draft, ids[1:], seed=101, **kwargs).sequences
+    assert both[1].tolist() == second[0].tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# The rules in the loop.
+
+@torch.no_grad()
+def test_huge_threshold_returns_the_draft_continuation(target, draft):
+    """Every draft is accepted, so every non-bonus token is the draft's own greedy choice."""
+    k = 4
+    ids, mask = random_prompts([6, 3], seed=5)
+    out = fsd_ext.generate(target, draft, ids, mask, rule="fsd", threshold=1e9, temperature=0.0,
+                           num_draft_tokens=k, max_new_tokens=3 * (k + 1), eos_token_id=[])
+    assert out.stats.mean_accepted == k
+    assert out.stats.accepted_histogram == [0] * k + [out.stats.verifications]
+    # Teacher-forced draft greedy choices over the whole output.
+    full_mask = torch.cat([mask, torch.ones_like(out.sequences[:, ids.shape[1]:])], 1)
+    positions = (full_mask.cumsum(1) - 1).clamp_min(0)
+    logits = draft(out.sequences, attention_mask=full_mask, position_ids=positions).logits
+    draft_choice = logits.argmax(-1)[:, ids.shape[1] - 1:-1]  # the draft's pick for each new token
+    generated = out.sequences[:, ids.shape[1]:]
+    is_draft_position = torch.arange(generated.shape[1]) % (k + 1) != k
+    assert torch.equal(generated[:, is_draft_position], draft_choice[:, is_draft_position])
+    # With K >= max_new_tokens the output is exactly the draft's greedy decoding.
+    expected = draft.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=k,
+                              pad_token_id=PAD, eos_token_id=None)
+    out = fsd_ext.generate(target, draft, ids, mask, rule="fsd", threshold=1e9, temperature=0.0,
+                           num_draft_tokens=k, max_new_tokens=k, eos_token_id=[])
+    assert out.sequences.tolist() == expected.tolist()
+
+
+def test_fsd_threshold_zero_equals_sd(target, draft):
+    ids, mask = random_prompts([5, 8, 2], seed=6)
+    kwargs = dict(num_draft_tokens=4, max_new_tokens=20, temperature=1.0, seed=7, eos_token_id=[])
+    sd = fsd_ext.generate(target, draft, ids, mask, rule="sd", **kwargs)
+    fsd = fsd_ext.generate(target, draft, ids, mask, rule="fsd", threshold=0.0, **kwargs)
+    assert torch.equal(sd.sequences, fsd.sequences)
+    assert 0 < sd.stats.mean_accepted < 4  # the pair disagrees sometimes: the test means something
+
+
+def test_per_row_threshold(target, draft):
+    ids, mask = random_prompts([5, 5], seed=6)
+    kwargs = dict(rule="fsd", num_draft_tokens=4, max_new_tokens=15, seed=[3, 4], eos_token_id=[],
+                  output_divergences=True)
+    out = fsd_ext.generate(target, draft, ids, mask, threshold=torch.tensor([1e9, 0.0]), **kwargs)
+    sd = fsd_ext.generate(target, draft, ids, mask, threshold=0.0, **kwargs)
+    huge = fsd_ext.generate(target, draft, ids, mask, threshold=1e9, **kwargs)
+    assert out.sequences[0].tolist() == huge.sequences[0].tolist()
+    assert out.sequences[1].tolist() == sd.sequences[1].tolist()
+
+
+def test_fsd_accepts_more_than_sd(target, draft):
+    ids, mask = random_prompts([5, 8, 2, 6], seed=6)
+    kwargs = dict(num_draft_tokens=4, max_new_tokens=24, temperature=1.0, seed=8, eos_token_id=[])
+    sd = fsd_ext.generate(target, draft, ids, mask, rule="sd", **kwargs)
+    fsd = fsd_ext.generate(target, draft, ids, mask, rule="fsd", threshold=0.5, **kwargs)
+    assert fsd.stats.mean_accepted > sd.stats.mean_accepted
+
+
+@torch.no_grad()
+def test_sd_first_token_follows_the_target_distribution(target, draft):
+    """With max_new_tokens=1 the only token is d_0 or its correction: distributed as p_0."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    rows = 4000
+    prompt = random_prompts([6], seed=9)[0]
+    ids = prompt.expand(rows, -1).contiguous()
+    out = fsd_ext.generate(target, draft, ids, rule="sd", num_draft_tokens=2, max_new_tokens=1,
+                           temperature=1.0, seed=12345, eos_token_id=[])
+    counts = torch.bincount(out.sequences[:, -1], minlength=VOCAB).double()
+    p = target(prompt).logits[0, -1].double().softmax(-1)
+    q = draft(prompt).logits[0, -1].double().softmax(-1)
+    assert 0.5 * (p - q).abs().sum() > 0.1  # the draft really differs from the target
+    expected = p * rows
+    big = expected >= 5  # pool the rare tokens into one bin
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    assert scipy_stats.chisquare(observed.numpy(), expected.numpy()).pvalue > 1e-3
+    # ... and would reject the draft's distribution.
+    expected_q = torch.cat([q[big] * rows, (q[~big] * rows).sum()[None]])
+    assert scipy_stats.chisquare(observed.numpy(), expected_q.numpy() * rows / expected_q.sum().item()
+                                 ).pvalue < 1e-6
+
+
+# ----------------------------------------------------------------------------------------------
+# Ends of rows, streaming, seeds, stats.
+
+def test_eos_stops_each_row_and_pads(target, draft):
+    ids, mask = random_prompts([5, 9, 3], seed=10)
+    kwargs = dict(rule="greedy", num_draft_tokens=3, max_new_tokens=16)
+    free = new_tokens(fsd_ext.generate(target, draft, ids, mask, eos_token_id=[], **kwargs), ids.shape[1])
+    eos = free[0][4]  # row 0 ends at its 5th token; the other rows end at this token if they emit it
+    out = fsd_ext.generate(target, draft, ids, mask, eos_token_id=eos, pad_token_id=PAD, **kwargs)
+    for row, tokens in enumerate(free):
+        expected = tokens[:tokens.index(eos) + 1] if eos in tokens else tokens
+        got = out.sequences[row, ids.shape[1]:].tolist()
+        assert got[:len(expected)] == expected
+        assert all(t == PAD for t in got[len(expected):])
+    assert out.sequences.shape[1] == ids.shape[1] + max(
+        len(t[:t.index(eos) + 1]) if eos in t else len(t) for t in free)
+
+
+@pytest.mark.parametrize("rule", ["ar", "fsd"])
+def test_max_new_tokens(target, draft, rule):
+    ids, mask = random_prompts([4, 7], seed=11)
+    out = fsd_ext.generate(target, draft, ids, mask, rule=rule, num_draft_tokens=4,
+                           max_new_tokens=7, eos_token_id=[], seed=0)
+    assert out.sequences.shape == (2, ids.shape[1] + 7)
+    assert out.stats.new_tokens == 14
+
+
+def test_streamer_sees_prompt_then_tokens_in_order(target, draft):
+    class Recorder:
+        def __init__(self):
+            self.puts, self.ended = [], False
+
+        def put(self, value):
+            assert not self.ended
+            self.puts.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ended = True
+
+    ids, _ = random_prompts([5], seed=12)
+    streamer = Recorder()
+    out = fsd_ext.generate(target, draft, ids, rule="fsd", num_draft_tokens=3, max_new_tokens=15,
+                           seed=3, streamer=streamer)
+    assert streamer.ended and streamer.puts[0] == ids[0].tolist()
+    assert sum(streamer.puts[1:], []) == out.sequences[0, 5:].tolist()
+    assert len(streamer.puts) > 2  # tokens came in several chunks
+
+
+def test_same_seed_same_output(target, draft):
+    ids, mask = random_prompts([4, 6], seed=13)
+    kwargs = dict(rule="fsd", num_draft_tokens=3, max_new_tokens=16, top_p=0.9, top_k=50,
+                  eos_token_id=[])
+    a = fsd_ext.generate(target, draft, ids, mask, seed=5, **kwargs).sequences
+    b = fsd_ext.generate(target, draft, ids, mask, seed=5, **kwargs).sequences
+    c = fsd_ext.generate(target, draft, ids, mask, seed=6, **kwargs).sequences
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    torch.manual_seed(0)
+    d = fsd_ext.generate(target, draft, ids, mask, **kwargs).sequences
+    torch.manual_seed(0)
+    assert torch.equal(d, fsd_ext.generate(target, draft, ids, mask, **kwargs).sequences)
+
+
+def test_stats_and_divergences(target, draft):
+    ids, mask = random_prompts([4, 6], seed=14)
+    out = fsd_ext.generate(target, draft, ids, mask, rule="fsd", num_draft_tokens=3,
+                           max_new_tokens=10, seed=0, eos_token_id=[], output_divergences=True)
+    stats = out.stats
+    assert stats.new_tokens == 20 and stats.tokens_per_second > 0
+    assert sum(stats.accepted_histogram) == stats.verifications
+    assert stats.draft_forwards == 3 * len(stats.divergences) + 1  # + prefill
+    assert stats.target_forwards == len(stats.divergences) + 1
+    assert all(d.shape[1] == 3 and (d >= 0).all() and (d <= 0.6932).all() for d in stats.divergences)
+    assert "tokens/s" in stats.summary()
+
+
+def test_smaller_draft_vocabulary(target):
+    small = tiny_llama(3, layers=1, vocab=VOCAB - 28, logit_scale=8.0)
+    ids, mask = random_prompts([4, 6], seed=15)
+    ids = ids % (VOCAB - 28)  # the prompts use the shared ids; the target may emit the others
+    out = fsd_ext.generate(target, small, ids, mask, rule="sd", max_new_tokens=24, seed=0,
+                           eos_token_id=[])
+    expected = fsd_ext.generate(target, None, ids, mask, rule="ar", temperature=0.0,
+                                max_new_tokens=24, eos_token_id=[])
+    greedy = fsd_ext.generate(target, small, ids, mask, rule="greedy", max_new_tokens=24,
+                              eos_token_id=[])
+    assert torch.equal(greedy.sequences, expected.sequences)
+    assert out.sequences.shape == (2, ids.shape[1] + 24)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad arguments.
+
+@pytest.mark.parametrize("kwargs,error", [
+    (dict(rule="nope"), ValueError),
+    (dict(divergence="l2"), ValueError),
+    (dict(threshold=-1.0), ValueError),
+    (dict(num_draft_tokens=0), ValueError),
+    (dict(max_new_tokens=0), ValueError),
+    (dict(temperature=-0.5), ValueError),
+    (dict(use_cuda_graphs="yes"), ValueError),
+    (dict(use_cuda_graphs=True), ValueError),  # no CUDA model here
+    (dict(top_p=1.5), ValueError),
+    (dict(seed=[1, 2, 3]), ValueError),
+    (dict(seed="x"), ValueError),
+])
+def test_bad_arguments_raise(target, draft, kwargs, error):
+    if kwargs.get("use_cuda_graphs") is True and torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    ids, mask = random_prompts([3, 4], seed=16)
+    with pytest.raises(error):
+        fsd_ext.generate(target, draft, ids, mask, max_new_tokens=kwargs.pop("max_new_tokens", 4),
+                         **kwargs)
+
+
+def test_bad_inputs_raise(target, draft):
+    ids, mask = random_prompts([3, 4], seed=17)
+    with pytest.raises(ValueError, match="left-padded"):
+        fsd_ext.generate(target, draft, ids, mask.flip(1), max_new_tokens=4)
+    with pytest.raises(ValueError, match="input_ids"):
+        fsd_ext.generate(target, draft, ids[0], max_new_tokens=4)
+    with pytest.raises(ValueError, match="draft model"):
+        fsd_ext.generate(target, None, ids, mask, rule="sd", max_new_tokens=4)
+    with pytest.raises(ValueError, match="batch size 1"):
+        fsd_ext.generate(target, draft, ids, mask, max_new_tokens=4, streamer=object())
+    with pytest.raises(ValueError, match="vocabulary"):
+        fsd_ext.generate(tiny_llama(4, layers=1, vocab=64), draft, ids, mask, max_new_tokens=4)
+    assert fsd_ext.generate(target, None, ids, mask, rule="ar", max_new_tokens=2).sequences.shape == (2, 6)
+
+
+def test_tokenizer_mismatch_raises():
+    class Tok:
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return self.vocab
+
+    check_tokenizers(Tok({"a": 0, "b": 1, "c": 2}), Tok({"a": 0, "b": 1}))
+    with pytest.raises(ValueError, match="tokenizers differ"):
+        check_tokenizers(Tok({"a": 0, "b": 1}), Tok({"a": 1, "b": 0}))
+
+
+# ----------------------------------------------------------------------------------------------
+# Real weights (--runslow).
+
+@pytest.mark.slow
+def test_real_smollm2_greedy_matches_hf():
+    from fsd_ext import models
+
+    model, tokenizer = models.load("smollm2-135m", dtype=torch.float32)
+    enc = tokenizer(["def fibonacci(n):", "The capital of France is"], return_tensors="pt",
+                    padding=True, padding_side="left")
+    expected = model.generate(**enc, do_sample=False, max_new_tokens=12,
+                              pad_token_id=tokenizer.pad_token_id)
+    out = fsd_ext.generate(model, model, enc.input_ids, enc.attention_mask, rule="greedy",
+                           max_new_tokens=12, pad_token_id=tokenizer.pad_token_id)
+    assert out.sequences.tolist() == expected.tolist()
+    assert out.stats.mean_accepted == 5  # the model drafting for itself agrees with itself
+
+
+@pytest.mark.slow
+def test_real_qwen_pair_few_tokens():
+    from fsd_ext import models
+
+    target, tokenizer = models.load("qwen2.5-coder-1.5b", dtype=torch.float32)
+    draft, draft_tokenizer = models.load("qwen2.5-coder-0.5b", dtype=torch.float32)
+    check_tokenizers(tokenizer, draft_tokenizer)
+    enc = tokenizer(["def is_prime(n):"], return_tensors="pt")
+    expected = target.generate(**enc, do_sample=False, max_new_tokens=8)
+    out = fsd_ext.generate(target, draft, enc.input_ids, rule="greedy", max_new_tokens=8)
+    assert out.sequences.tolist() == expected.tolist()
+    out = fsd_ext.generate(target, draft, enc.input_ids, rule="fsd", max_new_tokens=8, seed=0)
+    assert out.stats.mean_accepted > 1.0
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights and CLI plumbing (no real weights needed).
+
+def test_assemble_gguf_concatenates_in_order_and_checks_sha256(tmp_path, monkeypatch):
+    import hashlib
+
+    from fsd_ext import models
+
+    parts = []
+    for i, data in enumerate([b"GGUF" + b"a" * 100, b"b" * 57, b"c" * 3]):
+        parts.append(tmp_path / f"part{i:02d}.bin")
+        parts[-1].write_bytes(data)
+    whole = b"".join(p.read_bytes() for p in parts)
+    monkeypatch.setenv("FSD_EXT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "ensure_installed", lambda spec: None)
+    monkeypatch.setattr(models, "part_files", lambda spec: parts)
+    spec = models.WeightSpec("fake", ("p1", "p2", "p3"), "1.0", hashlib.sha256(whole).hexdigest(), "")
+    out = models.assemble_gguf(spec)
+    assert out.read_bytes() == whole
+    assert models.assemble_gguf(spec) == out  # the stamp short-circuits the second call
+    bad = models.WeightSpec("bad", spec.packages, "1.0", "0" * 64, "")
+    with pytest.raises(RuntimeError, match="sha256"):
+        models.assemble_gguf(bad)
+
+
+def test_cli_parser():
+    from fsd_ext import cli
+
+    args = cli.build_parser().parse_args(["generate", "--target", "t", "--draft", "d", "--prompt",
+                                          "hi", "--rule", "sd", "--threshold", "0.1"])
+    assert (args.rule, args.threshold, args.num_draft_tokens, args.chat) == ("sd", 0.1, 5, True)
+    args = cli.build_parser().parse_args(["demo"])
+    assert (args.target, args.draft, args.max_new_tokens) == ("qwen2.5-coder-1.5b",
+                                                              "qwen2.5-coder-0.5b", 48)
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--target", "t", "--prompt", "hi"])  # sd/fsd need --draft
