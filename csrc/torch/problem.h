@@ -37,7 +37,9 @@ inline void check_logits(const Tensor& t, int64_t ndim, const char* name) {
   TORCH_CHECK(t.dim() == ndim, name, " must have ", ndim, " dims, got ", t.sizes());
   logits_dtype(t, name);
   TORCH_CHECK(t.size(-1) >= 1, name, " must have a vocabulary of at least 1, got ", t.sizes());
-  TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous along the vocabulary (last) dim");
+  // A size-1 or empty vocab dim may have any stride (torch calls such tensors contiguous).
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1 || t.numel() == 0, name,
+              " must be contiguous along the vocabulary (last) dim");
   TORCH_CHECK(t.size(-1) < (int64_t(1) << 31), name, " vocabulary must be < 2^31");
 }
 
