@@ -85,8 +85,12 @@ def _check_device(name: str, tensor: Optional[torch.Tensor], device: torch.devic
         raise ValueError(f"{name} is on {tensor.device}, expected {device} like the logits")
 
 
-def _row_arg(name: str, value, batch: int, device, *, allow_zero: bool = True):
-    """A float, or a [B] tensor, -> (tensor or None, scalar) for the op."""
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def _row_arg(name: str, value, batch: int, device, *, allow_zero: bool = True, finite: bool = False):
+    """A float, or a [B] tensor, -> (tensor or None, scalar) for the op. `finite`: the value must
+    also be a finite float32 (temperatures: an infinite one makes softmax of -inf logits NaN)."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 1 or value.shape[0] != batch:
             raise ValueError(f"{name} must be a float or a [{batch}] tensor, got shape {tuple(value.shape)}")
@@ -99,6 +103,8 @@ def _row_arg(name: str, value, batch: int, device, *, allow_zero: bool = True):
     value = float(value)
     if not value >= 0.0 or (value == 0.0 and not allow_zero):  # `not >=` also rejects NaN
         raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+    if finite and not value <= _FLOAT32_MAX:
+        raise ValueError(f"{name} must be finite (at most {_FLOAT32_MAX:.4g}, float32), got {value}")
     return None, value
 
 
@@ -224,10 +230,10 @@ def accept(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens
     rule_id = _name_index("rule", rule, RULES)
     div_id = _name_index("divergence", divergence, DIVERGENCES)
     threshold_t, threshold_s = _row_arg("threshold", threshold, batch, device)
-    temperature_t, temperature_s = _row_arg("temperature", temperature, batch, device)
+    temperature_t, temperature_s = _row_arg("temperature", temperature, batch, device, finite=True)
     div_uses_sampling = div_temperature is None
     div_temp_t, div_temp_s = (None, 1.0) if div_uses_sampling else _row_arg(
-        "div_temperature", div_temperature, batch, device, allow_zero=False)
+        "div_temperature", div_temperature, batch, device, allow_zero=False, finite=True)
     top_k_i, top_p_f, min_p_f = _filter_args(top_k, top_p, min_p)
     if div_top_k is not None and (not isinstance(div_top_k, numbers.Integral) or div_top_k < 1):
         raise ValueError(f"div_top_k must be None or an int >= 1, got {div_top_k!r}")
@@ -265,8 +271,8 @@ def divergence(target_logits: torch.Tensor, draft_logits: torch.Tensor, kind: st
         raise TypeError("draft_logits and target_logits must have the same dtype")
     _check_device("draft_logits", draft_logits, target_logits.device)
     kind_id = _name_index("kind", kind, DIVERGENCES)
-    if not isinstance(temperature, numbers.Real) or not temperature > 0:
-        raise ValueError(f"temperature must be a float > 0, got {temperature!r}")
+    if not isinstance(temperature, numbers.Real) or not 0 < temperature <= _FLOAT32_MAX:
+        raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
     if top_k is not None and (not isinstance(top_k, numbers.Integral) or top_k < 1):
         raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
     lead = target_logits.shape[:-1]
@@ -294,7 +300,7 @@ def sample(logits: torch.Tensor, temperature: RowArg = 1.0, top_k: Optional[int]
     logits3 = logits.reshape(1 if logits.dim() == 1 else shape[0], -1, logits.shape[-1])
     batch = logits3.shape[0]
     device = logits.device
-    temperature_t, temperature_s = _row_arg("temperature", temperature, batch, device)
+    temperature_t, temperature_s = _row_arg("temperature", temperature, batch, device, finite=True)
     top_k_i, top_p_f, min_p_f = _filter_args(top_k, top_p, min_p)
     seed_t, seed_s, seed_per_row = _seed_arg(seed, generator, batch, device)
     offset_t, offset_s = _offset_arg(offset, device)

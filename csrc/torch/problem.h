@@ -7,6 +7,7 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
+#include <cfloat>
 #include <optional>
 #include <tuple>
 
@@ -43,9 +44,11 @@ inline void check_logits(const Tensor& t, int64_t ndim, const char* name) {
   TORCH_CHECK(t.size(-1) < (int64_t(1) << 31), name, " vocabulary must be < 2^31");
 }
 
-// A float argument given either per row ([B] float32 tensor) or once for the call.
+// A float argument given either per row ([B] float32 tensor) or once for the call. Temperatures
+// pass allow_inf = false: an infinite one turns the scaled -inf logits into NaN.
 inline fsd::RowValue<float> row_value(const OptTensor& per_row, double scalar, int64_t batch,
-                                      const Tensor& like, const char* name, bool allow_zero) {
+                                      const Tensor& like, const char* name, bool allow_zero,
+                                      bool allow_inf = true) {
   fsd::RowValue<float> value;
   if (per_row.has_value()) {
     const Tensor& t = *per_row;
@@ -58,6 +61,7 @@ inline fsd::RowValue<float> row_value(const OptTensor& per_row, double scalar, i
   } else {
     TORCH_CHECK(scalar >= 0.0 && (allow_zero || scalar > 0.0), name, " must be ",
                 allow_zero ? ">= 0" : "> 0", ", got ", scalar);
+    TORCH_CHECK(allow_inf || scalar <= FLT_MAX, name, " must be finite (float32), got ", scalar);
     value.scalar = (float)scalar;
   }
   return value;
@@ -175,10 +179,10 @@ inline fsd::AcceptProblem make_accept_problem(const AcceptArgs& a, AcceptOutputs
   p.rule = (fsd::Rule)a.rule;
   p.divergence = (fsd::Divergence)a.divergence;
   p.threshold = row_value(a.threshold_t, a.threshold, batch, target, "threshold", true);
-  p.temperature = row_value(a.temperature_t, a.temperature, batch, target, "temperature", true);
+  p.temperature = row_value(a.temperature_t, a.temperature, batch, target, "temperature", true, false);
   p.div_uses_sampling = a.div_uses_sampling;
   p.div_temperature = row_value(a.div_temperature_t, a.div_temperature, batch, target,
-                                "div_temperature", false);
+                                "div_temperature", false, false);
   p.div_top_k = a.div_top_k;
   p.filter = sampling_filter(a.top_k, a.top_p, a.min_p);
   p.key = random_key(a.seed_t, a.seed, a.seed_per_row, a.offset_t, a.offset, batch, target);
@@ -207,7 +211,8 @@ inline fsd::DivergenceProblem make_divergence_problem(const Tensor& target, cons
   TORCH_CHECK_TYPE(draft.scalar_type() == target.scalar_type(), "draft_logits and target_logits dtypes differ");
   check_same_device(draft, target, "draft_logits");
   TORCH_CHECK(kind >= 0 && kind <= 4, "kind id must be in [0, 4], got ", kind);
-  TORCH_CHECK(temperature > 0.0, "temperature must be > 0, got ", temperature);
+  TORCH_CHECK(temperature > 0.0 && temperature <= FLT_MAX, "temperature must be finite and > 0, got ",
+              temperature);
   TORCH_CHECK(top_k >= 0, "top_k must be >= 1 (or 0 for off), got ", top_k);
   fsd::DivergenceProblem p;
   p.rows = target.size(0);
@@ -240,7 +245,7 @@ inline fsd::SampleProblem make_sample_problem(const Tensor& logits, const OptTen
   p.logits = logits.data_ptr();
   p.stride_b = logits.stride(0);
   p.stride_s = logits.stride(1);
-  p.temperature = row_value(temperature_t, temperature, p.batch, logits, "temperature", true);
+  p.temperature = row_value(temperature_t, temperature, p.batch, logits, "temperature", true, false);
   p.filter = sampling_filter(top_k, top_p, min_p);
   p.key = random_key(seed_t, seed, seed_per_row, offset_t, offset, p.batch, logits);
   out = at::empty({p.batch, p.positions}, logits.options().dtype(at::kLong));
