@@ -297,7 +297,8 @@ def sample(logits: torch.Tensor, temperature: RowArg = 1.0, top_k: Optional[int]
         raise ValueError("logits must be a tensor [V], [B, V] or [B, S, V]")
     _check_logits("logits", logits, logits.dim())
     shape = logits.shape[:-1]
-    logits3 = logits.reshape(1 if logits.dim() == 1 else shape[0], -1, logits.shape[-1])
+    # [B, S, V] views (a reshape with -1 cannot size a batch of 0 rows)
+    logits3 = logits[None, None] if logits.dim() == 1 else logits[:, None] if logits.dim() == 2 else logits
     batch = logits3.shape[0]
     device = logits.device
     temperature_t, temperature_s = _row_arg("temperature", temperature, batch, device, finite=True)
