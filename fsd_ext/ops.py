@@ -138,8 +138,8 @@ def _offset_arg(offset, device):
                              f"{tuple(offset.shape)}")
         _check_device("offset", offset, device)
         return offset.reshape(1), 0
-    if not isinstance(offset, numbers.Integral) or offset < 0:
-        raise ValueError(f"offset must be an int >= 0 or an int64 tensor, got {offset!r}")
+    if not isinstance(offset, numbers.Integral) or not 0 <= offset < 2**63:
+        raise ValueError(f"offset must be an int in [0, 2^63) or an int64 tensor, got {offset!r}")
     return None, int(offset)
 
 
