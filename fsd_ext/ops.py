@@ -209,7 +209,7 @@ def accept(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens
         raise ValueError(f"draft_logits must be [B={batch}, K={k}, V_d], got {tuple(draft_logits.shape)}"
                          f" (target_logits holds K+1 positions)")
     if draft_logits.shape[2] > target_vocab:
-        raise ValueError(f"draft vocabulary V_d={draft_logits.shape[2]} must be <= target vocabulary "
+        raise ValueError(f"draft_logits vocabulary V_d={draft_logits.shape[2]} must be <= target vocabulary "
                          f"V_t={target_vocab}")
     if draft_logits.dtype != target_logits.dtype:
         raise TypeError(f"draft_logits dtype {draft_logits.dtype} must match target_logits dtype "
@@ -266,7 +266,7 @@ def divergence(target_logits: torch.Tensor, draft_logits: torch.Tensor, kind: st
         raise ValueError(f"target_logits {tuple(target_logits.shape)} and draft_logits "
                          f"{tuple(draft_logits.shape)} must agree on all but the last dim")
     if draft_logits.shape[-1] > target_logits.shape[-1]:
-        raise ValueError("draft vocabulary must be <= target vocabulary")
+        raise ValueError("draft_logits vocabulary must be <= the target_logits vocabulary")
     if draft_logits.dtype != target_logits.dtype:
         raise TypeError("draft_logits and target_logits must have the same dtype")
     _check_device("draft_logits", draft_logits, target_logits.device)

@@ -138,7 +138,7 @@ inline fsd::AcceptProblem make_accept_problem(const AcceptArgs& a, AcceptOutputs
   TORCH_CHECK(k >= 0, "target_logits must hold K+1 >= 1 positions, got ", target.sizes());
   TORCH_CHECK(draft.size(0) == batch && draft.size(1) == k, "draft_logits must be [B=", batch, ", K=",
               k, ", V_d], got ", draft.sizes());
-  TORCH_CHECK(draft.size(2) <= target.size(2), "draft vocabulary V_d=", draft.size(2),
+  TORCH_CHECK(draft.size(2) <= target.size(2), "draft_logits vocabulary V_d=", draft.size(2),
               " must be <= target vocabulary V_t=", target.size(2));
   TORCH_CHECK_TYPE(draft.scalar_type() == target.scalar_type(), "draft_logits dtype ", draft.scalar_type(),
                    " must match target_logits dtype ", target.scalar_type());
@@ -207,7 +207,7 @@ inline fsd::DivergenceProblem make_divergence_problem(const Tensor& target, cons
   check_logits(draft, 2, "draft_logits");
   TORCH_CHECK(target.size(0) == draft.size(0), "target_logits and draft_logits must have the same rows, got ",
               target.sizes(), " and ", draft.sizes());
-  TORCH_CHECK(draft.size(1) <= target.size(1), "draft vocabulary must be <= target vocabulary");
+  TORCH_CHECK(draft.size(1) <= target.size(1), "draft_logits vocabulary must be <= the target_logits vocabulary");
   TORCH_CHECK_TYPE(draft.scalar_type() == target.scalar_type(), "draft_logits and target_logits dtypes differ");
   check_same_device(draft, target, "draft_logits");
   TORCH_CHECK(kind >= 0 && kind <= 4, "kind id must be in [0, 4], got ", kind);
