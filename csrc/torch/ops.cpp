@@ -127,3 +127,13 @@ TORCH_LIBRARY_IMPL(fsd_ext, CPU, m) {
   m.impl("sample", &fsd_torch::sample_cpu);
   m.impl("philox_uniforms", &fsd_torch::philox_uniforms_cpu);
 }
+
+// The ops are not differentiable (token ids, flags; the divergences have no backward): a
+// fallthrough Autograd kernel makes their outputs plain tensors even for inputs that require grad,
+// instead of the autograd-not-implemented fallback that warns and backpropagates nothing.
+TORCH_LIBRARY_IMPL(fsd_ext, Autograd, m) {
+  m.impl("accept", torch::CppFunction::makeFallthrough());
+  m.impl("divergence", torch::CppFunction::makeFallthrough());
+  m.impl("sample", torch::CppFunction::makeFallthrough());
+  m.impl("philox_uniforms", torch::CppFunction::makeFallthrough());
+}
