@@ -9,7 +9,7 @@
 // layouts. Besides "no report", each result is checked for the output invariants of
 // DESIGN.md section 2 (tokens in range, -1 padding, accepted prefix = drafts, valid flags).
 //
-// Usage: test_sanitize_core [iterations]   (default 3000; exit status 1 on a failed invariant)
+// Usage: test_sanitize_core [iterations]   (default 10000; exit status 1 on a failed invariant)
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -353,7 +353,7 @@ void philox_smoke() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const int iterations = argc > 1 ? std::atoi(argv[1]) : 3000;
+  const int iterations = argc > 1 ? std::atoi(argv[1]) : 10000;
   Rng rng(20251129);
   for (int it = 0; it < iterations; ++it) {
     fuzz_accept(rng, it);

@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# Sanitizer job (issue 6): AddressSanitizer + UndefinedBehaviorSanitizer over
+#   1. the framework-free core (CMake -DFSD_SANITIZE=ON) and its C++ unit tests under ctest;
+#   2. the torch extension built with FSD_EXT_SANITIZE=1 in a copy of the tree (the normal
+#      in-place build is left alone), and a sanitizer-sized slice of the Python tests run on it
+#      with libasan preloaded.
+# Fails (exit 1) on any sanitizer report or test failure.
+#
+# Environment: FSD_SANITIZE_DIR (work dir, default build/sanitize), FSD_SANITIZE_JOBS (default 2),
+# FSD_SANITIZE_FUZZ_EXAMPLES (fuzz examples of the Python slice, default 600).
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+WORK=${FSD_SANITIZE_DIR:-$ROOT/build/sanitize}
+JOBS=${FSD_SANITIZE_JOBS:-2}
+PYTHON=${PYTHON:-python}
+LOG=$WORK/reports.log
+mkdir -p "$WORK"
+: > "$LOG"
+
+# halt on the first error of either sanitizer; Python leaks by design, so no leak checking.
+export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=86:detect_stack_use_after_return=0:strict_init_order=1"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87"
+
+fail_on_reports() {  # $1: a log that must hold no sanitizer report
+  if grep -E "ERROR: AddressSanitizer|runtime error:|ERROR: LeakSanitizer|UndefinedBehaviorSanitizer" "$1"; then
+    echo "sanitize.sh: sanitizer report in $1" >&2
+    exit 1
+  fi
+}
+
+step() { echo "== sanitize.sh: $* ($(date -u +%H:%M:%S))"; }
+
+# ---- 1. core + C++ tests ------------------------------------------------------------------------
+step "core: cmake -DFSD_SANITIZE=ON"
+cmake -S "$ROOT" -B "$WORK/core" -DFSD_SANITIZE=ON -DFSD_CUDA=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo > "$WORK/cmake.log"
+cmake --build "$WORK/core" -j "$JOBS" > "$WORK/build_core.log" 2>&1 || { tail -50 "$WORK/build_core.log"; exit 1; }
+step "core: ctest"
+if ! ctest --test-dir "$WORK/core" --output-on-failure -j "$JOBS" > "$WORK/ctest.log" 2>&1; then
+  cat "$WORK/ctest.log"; exit 1
+fi
+fail_on_reports "$WORK/ctest.log"
+grep -E "tests passed|Total Test" "$WORK/ctest.log" || true
+
+# ---- 2. the extension, in a copy -----------------------------------------------------------------
+step "extension: FSD_EXT_SANITIZE=1 build in $WORK/py"
+mkdir -p "$WORK/py"
+# Sources and tests only (never the in-place _C*.so or build/ of the normal build); the copy keeps
+# its own build/ between runs so a rebuild is incremental.
+(cd "$ROOT" && tar -cf - --exclude='__pycache__' --exclude='_C*.so' setup.py pyproject.toml csrc fsd_ext tests) \
+  | (cd "$WORK/py" && tar -xf -)
+(cd "$WORK/py" && FSD_EXT_SANITIZE=1 FSD_EXT_CUDA=0 MAX_JOBS="$JOBS" "$PYTHON" setup.py build_ext --inplace \
+  > "$WORK/build_ext.log" 2>&1) || { tail -50 "$WORK/build_ext.log"; exit 1; }
+
+LIBASAN=$(g++ -print-file-name=libasan.so)
+LIBUBSAN=$(g++ -print-file-name=libubsan.so)
+[ -f "$LIBASAN" ] || { echo "sanitize.sh: libasan not found ($LIBASAN)" >&2; exit 1; }
+
+# The slice: the fuzz tests at a sanitizer-sized example count, opcheck (without torch.compile),
+# concurrency, and the kernel-vs-reference tests without the large-vocabulary cases.
+SLICE=(tests/test_fuzz.py tests/test_opcheck.py tests/test_threads_memory.py)
+[ -f "$WORK/py/tests/test_accept.py" ] && SLICE+=(tests/test_accept.py)
+step "python slice under ASan/UBSan: ${SLICE[*]}"
+set +e
+(cd "$WORK/py" && \
+  LD_PRELOAD="$LIBASAN $LIBUBSAN" \
+  FSD_FUZZ_EXAMPLES="${FSD_SANITIZE_FUZZ_EXAMPLES:-600}" FSD_MEMORY_REPEATS=0 \
+  PYTHONFAULTHANDLER=1 \
+  "$PYTHON" -m pytest -q -x -p no:cacheprovider "${SLICE[@]}" \
+    -k "not compiles and not memory and not 151936 and not 32000" > "$WORK/pytest.log" 2>&1)
+status=$?
+set -e
+tail -5 "$WORK/pytest.log"
+fail_on_reports "$WORK/pytest.log"
+if [ $status -ne 0 ]; then
+  echo "sanitize.sh: python slice failed (exit $status; 86 = ASan report, 87 = UBSan report)" >&2
+  tail -80 "$WORK/pytest.log" >&2
+  exit 1
+fi
+# The tests must have run on the sanitized build, not an installed copy.
+(cd "$WORK/py" && LD_PRELOAD="$LIBASAN" "$PYTHON" -c \
+  "import fsd_ext._C as c, sys; sys.exit(0 if c.__file__.startswith('$WORK/py') else 1)") \
+  || { echo "sanitize.sh: fsd_ext._C was not the sanitized build" >&2; exit 1; }
+step "ok: no sanitizer reports"
