@@ -12,14 +12,18 @@ tokens after the first -1 are all -1; the accepted prefix equals the drafts; val
 for rows whose used vocabulary rows hold NaN or no finite logit (invalid rows emit nothing); the
 emitted token has positive probability (its logit is not -inf) and is the argmax at temperature 0;
 a strided call equals the same call on contiguous copies. For an invalid call: a ValueError,
-TypeError or RuntimeError whose message names the offending argument. Never a crash or a hang.
+TypeError or RuntimeError whose message names the offending argument. Never a crash or a hang
+(a faulthandler watchdog ends the run with every stack if one call takes FSD_FUZZ_WATCHDOG_S).
 
 Example counts: FSD_FUZZ_EXAMPLES (total, default 10000) and FSD_FUZZ_PROFILE (tests/_hypothesis_profiles.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import math
+import os
 
 import pytest
 import torch
@@ -44,6 +48,20 @@ ERRORS = (ValueError, TypeError, RuntimeError)
 TEMPERATURES = (0.0, 1e-45, 1e-38, 1e-30, 1e-8, 0.3, 1.0, 2.5, 1e4, 1e30)
 THRESHOLDS = (0.0, 1e-7, 0.05, 0.4, 1.0, 50.0, math.inf)
 DIV_TEMPERATURES = (1e-38, 1e-6, 0.5, 1.0, 3.0, 1e20)
+
+
+# One example takes milliseconds; one that runs this long is a hang: dump every thread's stack and
+# end the process (a C++ loop cannot be interrupted), so CI fails instead of stalling.
+WATCHDOG_S = float(os.environ.get("FSD_FUZZ_WATCHDOG_S", "120"))
+
+
+@contextlib.contextmanager
+def watchdog():
+    faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -287,7 +305,8 @@ def nan_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 @given(accept_calls())
 def test_fuzz_accept(call):
     args, kwargs = call
-    result = fsd_ext.accept(*args, **kwargs)
+    with watchdog():
+        result = fsd_ext.accept(*args, **kwargs)
     check_accept(args, kwargs, result)
     target, draft, drafts = args
     if not (target.is_contiguous() and draft.is_contiguous() and drafts.is_contiguous()):
@@ -418,7 +437,7 @@ def test_fuzz_accept_rejects_bad_arguments(call, corruption):
         corrupt(args, kwargs)
     except _NotApplicable:
         return
-    with pytest.raises(ERRORS) as info:
+    with pytest.raises(ERRORS) as info, watchdog():
         fsd_ext.accept(*args, **kwargs)
     assert name in str(info.value), (corruption, str(info.value))
 
@@ -452,7 +471,8 @@ def divergence_calls(draw):
 @given(divergence_calls())
 def test_fuzz_divergence(call):
     (target, draft), kwargs = call
-    out = fsd_ext.divergence(target, draft, **kwargs)
+    with watchdog():
+        out = fsd_ext.divergence(target, draft, **kwargs)
     assert out.shape == target.shape[:-1] and out.dtype == torch.float32
     bad = bad_vocab_rows(target) | bad_vocab_rows(draft)
     assert torch.equal(out.isnan(), bad), (out, bad)
@@ -490,7 +510,8 @@ def sample_calls(draw):
 @given(sample_calls())
 def test_fuzz_sample(call):
     logits, kwargs = call
-    tokens = fsd_ext.sample(logits, **kwargs)
+    with watchdog():
+        tokens = fsd_ext.sample(logits, **kwargs)
     vocab = logits.shape[-1]
     assert tokens.shape == logits.shape[:-1] and tokens.dtype == torch.int64
     bad = bad_vocab_rows(logits)
