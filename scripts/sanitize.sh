@@ -15,17 +15,21 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 WORK=${FSD_SANITIZE_DIR:-$ROOT/build/sanitize}
 JOBS=${FSD_SANITIZE_JOBS:-2}
 PYTHON=${PYTHON:-python}
-LOG=$WORK/reports.log
 mkdir -p "$WORK"
-: > "$LOG"
 
 # halt on the first error of either sanitizer; Python leaks by design, so no leak checking.
-export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=86:detect_stack_use_after_return=0:strict_init_order=1"
-export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87"
+# Reports also go to files ($WORK/reports/asan.PID, ubsan.PID): pytest captures fd 2 during a test,
+# and a report that ends the process would otherwise vanish with the capture.
+rm -rf "$WORK/reports"
+mkdir -p "$WORK/reports"
+export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=86:strict_init_order=1:log_path=$WORK/reports/asan"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87:log_path=$WORK/reports/ubsan"
 
-fail_on_reports() {  # $1: a log that must hold no sanitizer report
-  if grep -E "ERROR: AddressSanitizer|runtime error:|ERROR: LeakSanitizer|UndefinedBehaviorSanitizer" "$1"; then
-    echo "sanitize.sh: sanitizer report in $1" >&2
+fail_on_reports() {  # $@: logs that must hold no sanitizer report (plus the report files)
+  if grep -s -E "ERROR: AddressSanitizer|runtime error:|ERROR: LeakSanitizer|UndefinedBehaviorSanitizer" \
+      "$@" "$WORK"/reports/*; then
+    echo "sanitize.sh: sanitizer report (see above and $WORK/reports)" >&2
+    head -60 "$WORK"/reports/* >&2 2>/dev/null || true
     exit 1
   fi
 }
@@ -41,7 +45,7 @@ cmake -S "$ROOT" -B "$WORK/core" -DFSD_SANITIZE=ON -DFSD_CUDA=OFF -DCMAKE_BUILD_
 cmake --build "$WORK/core" -j "$JOBS" > "$WORK/build_core.log" 2>&1 || { tail -50 "$WORK/build_core.log"; exit 1; }
 step "core: ctest"
 if ! ctest --test-dir "$WORK/core" --output-on-failure -j "$JOBS" > "$WORK/ctest.log" 2>&1; then
-  cat "$WORK/ctest.log"; exit 1
+  cat "$WORK/ctest.log"; fail_on_reports "$WORK/ctest.log"; exit 1
 fi
 fail_on_reports "$WORK/ctest.log"
 grep -E "tests passed|Total Test" "$WORK/ctest.log" || true
@@ -76,7 +80,7 @@ set +e
 (cd "$WORK/py" && \
   PYTHONPATH="$WORK/py" LD_PRELOAD="$LIBASAN $LIBUBSAN" \
   FSD_FUZZ_EXAMPLES="${FSD_SANITIZE_FUZZ_EXAMPLES:-600}" FSD_MEMORY_REPEATS=0 \
-  PYTHONFAULTHANDLER=1 \
+  PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1 \
   "$PYTHON" -m pytest -q -x -p no:cacheprovider "${SLICE[@]}" \
     -k "not compiles and not memory and not 151936 and not 32000" > "$WORK/pytest.log" 2>&1)
 # (-x stops at the first failure; a sanitizer report ends the process with exit 86 / 87)
