@@ -11,7 +11,8 @@ Invariants for a valid call: every token is -1 or in [0, V); num_accepted in [0,
 tokens after the first -1 are all -1; the accepted prefix equals the drafts; valid is false exactly
 for rows whose used vocabulary rows hold NaN or no finite logit (invalid rows emit nothing); the
 emitted token has positive probability (its logit is not -inf) and is the argmax at temperature 0;
-a strided call equals the same call on contiguous copies. For an invalid call: a ValueError,
+a strided call equals the same call on contiguous copies; the fake (meta) kernels give the same
+output shapes and dtypes. For an invalid call: a ValueError,
 TypeError or RuntimeError whose message names the offending argument. Never a crash or a hang
 (a faulthandler watchdog ends the run with every stack if one call takes FSD_FUZZ_WATCHDOG_S).
 
@@ -294,6 +295,26 @@ def check_accept(args, kwargs, result):
         assert div is None
 
 
+def to_meta(value):
+    """Tensors (also inside tuples, lists and dicts) on the meta device."""
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    if isinstance(value, (tuple, list)):
+        return type(value)(to_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: to_meta(v) for k, v in value.items()}
+    return value
+
+
+def assert_same_meta(real, fake):
+    """The fake (meta) kernel gives the real outputs' shapes and dtypes."""
+    real = [real] if isinstance(real, torch.Tensor) else [t for t in real if t is not None]
+    fake = [fake] if isinstance(fake, torch.Tensor) else [t for t in fake if t is not None]
+    assert len(real) == len(fake)
+    for r, f in zip(real, fake):
+        assert f.device.type == "meta" and (r.shape, r.dtype) == (f.shape, f.dtype), (r.shape, r.dtype, f)
+
+
 def nan_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
@@ -308,6 +329,7 @@ def test_fuzz_accept(call):
     with watchdog():
         result = fsd_ext.accept(*args, **kwargs)
     check_accept(args, kwargs, result)
+    assert_same_meta(result, fsd_ext.accept(*to_meta(args), **to_meta(kwargs)))
     target, draft, drafts = args
     if not (target.is_contiguous() and draft.is_contiguous() and drafts.is_contiguous()):
         again = fsd_ext.accept(target.contiguous(), draft.contiguous(), drafts.contiguous(), **kwargs)
@@ -473,6 +495,7 @@ def test_fuzz_divergence(call):
     (target, draft), kwargs = call
     with watchdog():
         out = fsd_ext.divergence(target, draft, **kwargs)
+    assert_same_meta(out, fsd_ext.divergence(target.to("meta"), draft.to("meta"), **kwargs))
     assert out.shape == target.shape[:-1] and out.dtype == torch.float32
     bad = bad_vocab_rows(target) | bad_vocab_rows(draft)
     assert torch.equal(out.isnan(), bad), (out, bad)
@@ -512,6 +535,7 @@ def test_fuzz_sample(call):
     logits, kwargs = call
     with watchdog():
         tokens = fsd_ext.sample(logits, **kwargs)
+    assert_same_meta(tokens, fsd_ext.sample(logits.to("meta"), **to_meta(kwargs)))
     vocab = logits.shape[-1]
     assert tokens.shape == logits.shape[:-1] and tokens.dtype == torch.int64
     bad = bad_vocab_rows(logits)
