@@ -28,10 +28,12 @@ import os
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
-from tests._hypothesis_profiles import fuzz_settings
+pytest.importorskip("hypothesis")  # in the [test] extras
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from tests._hypothesis_profiles import fuzz_settings  # noqa: E402
 
 fsd_ext = pytest.importorskip("fsd_ext")
 from fsd_ext import ops as fsd_ops  # noqa: E402
