@@ -64,8 +64,9 @@ mkdir -p "$WORK/py"
 
 # The extension must really be instrumented.
 SO=$(ls "$WORK"/py/fsd_ext/_C*.so)
-nm -D "$SO" | grep -q __asan_report || { echo "sanitize.sh: $SO is not built with ASan" >&2; exit 1; }
-nm -D "$SO" | grep -q __ubsan_handle || { echo "sanitize.sh: $SO is not built with UBSan" >&2; exit 1; }
+SYMBOLS=$(nm -D "$SO")  # (not `nm | grep -q`: grep's early exit fails the pipe under pipefail)
+grep -q __asan_report <<< "$SYMBOLS" || { echo "sanitize.sh: $SO is not built with ASan" >&2; exit 1; }
+grep -q __ubsan_handle <<< "$SYMBOLS" || { echo "sanitize.sh: $SO is not built with UBSan" >&2; exit 1; }
 
 LIBASAN=$(g++ -print-file-name=libasan.so)
 LIBUBSAN=$(g++ -print-file-name=libubsan.so)
