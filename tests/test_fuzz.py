@@ -405,7 +405,7 @@ ACCEPT_CORRUPTIONS = {
     "draft_logits:vocab": ("draft_logits", _replace(1, lambda a: torch.zeros(*a[1].shape[:2], a[0].shape[2] + 1, dtype=a[1].dtype))),
     "draft_logits:k": ("draft_logits", _replace(1, lambda a: torch.zeros(a[1].shape[0], a[1].shape[1] + 1, a[1].shape[2], dtype=a[1].dtype))),
     "draft_logits:strided_vocab": ("draft_logits", _strided_vocab(1)),
-    "target_logits:rank": ("target_logits", _replace(0, lambda a: a[0][0])),
+    "target_logits:rank": ("target_logits", _replace(0, lambda a: a[0].flatten(0, 1))),
     "target_logits:int": ("target_logits", _replace(0, lambda a: a[0].long())),
     "target_logits:strided_vocab": ("target_logits", _strided_vocab(0)),
     "target_logits:empty_vocab": ("target_logits", _replace(0, lambda a: a[0][..., :0])),
@@ -455,7 +455,7 @@ def test_fuzz_accept_rejects_bad_arguments(call, corruption):
     args, kwargs = call
     args = [a.clone() if i == 2 else a for i, a in enumerate(args)]
     name, corrupt = ACCEPT_CORRUPTIONS[corruption]
-    if args[0].shape[0] == 0 and corruption.split(":")[1] in ("tensor_negative", "tensor_nan", "tensor_inf", "tensor_zero"):
+    if args[0].shape[0] == 0 and corruption.partition(":")[2] in ("tensor_negative", "tensor_nan", "tensor_inf", "tensor_zero"):
         return  # a bad per-row value needs a row
     try:
         corrupt(args, kwargs)
