@@ -202,7 +202,9 @@ def sample(logits: torch.Tensor, temperature: RowArg = 1.0, top_k=None, top_p=No
     """A token from softmax(filter(logits) / T) per row: [V] -> [], [B, V] -> [B], [B, S, V] -> [B, S].
     -1 where the row holds NaN or no finite logit."""
     shape = logits.shape[:-1]
-    z = logits.reshape(1 if logits.dim() == 1 else shape[0], -1, logits.shape[-1])  # [B, S, V]
+    rows = 1 if logits.dim() == 1 else shape[0]
+    positions = 1 if logits.dim() < 3 else shape[1]
+    z = logits.reshape(rows, positions, logits.shape[-1])  # [B, S, V]
     rows, positions, vocab = z.shape
     if uniforms is None:
         uniforms = philox_uniforms(seed, offset, rows, positions, PURPOSE_DRAFT)  # [B, S]
