@@ -4,8 +4,8 @@ any pair of Hugging Face causal LMs that share a tokenizer.
 One step of speculative decoding, per batch row (DESIGN.md section 2):
 
     1. draft:  K one-token forwards of the draft model, each drawing d_i ~ q_i with fsd_ext.sample
-               (argmax under greedy); the draft first re-reads the last committed token, so it never
-               lags behind the target (see below).
+               (argmax under greedy); after a step where a row accepted all K drafts, the first
+               forward also re-reads the last committed token (see below).
     2. verify: one forward of the target over [pending, d_0 .. d_{K-1}] -> logits for K+1 positions.
     3. accept: one fsd_ext.accept call -> n accepted drafts plus one correction/bonus token.
     4. commit: each row keeps pending + its n accepted drafts in the target cache by setting its
@@ -18,9 +18,10 @@ or reaches max_new_tokens leaves the batch. On CUDA, each fixed-shape forward (t
 two-token steps, the target's (K+1)-token verification) is captured once in a CUDA graph and
 replayed.
 
-Why the draft re-reads one token: after a step that accepted all K drafts, d_{K-1} was never fed to
-the draft. Instead of a ragged catch-up call, every step rolls the draft's cache back by one and
-feeds [last committed token, pending] as one two-token forward (costing about as much as one token).
+Why the draft may re-read one token: after a step that accepted all K drafts, d_{K-1} was never fed
+to the draft. Instead of a ragged catch-up call, the next step then rolls every row of the draft's
+cache back by one and feeds [last committed token, pending] as one two-token forward (rows that were
+not behind just rewrite an entry with the same token). Otherwise the first forward is [pending].
 
 Randomness: row b draws from Philox with its own seed (`seed + b` for an int seed, or the given [B]
 tensor), keyed by the step counter, so the output is a function of the seed alone and a row's
@@ -325,8 +326,8 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
     if isinstance(threshold, torch.Tensor):
         threshold = threshold.to(device, torch.float32)  # [B] per-row thresholds
 
-    # One extra padding slot in front of every row, so that each row has a committed token before
-    # `pending` for the draft to re-read (slot 0 is never attended to).
+    # One extra padding slot in front of every row (never attended to), so that the prefill of all
+    # but the last prompt token is never empty and `last_committed` always exists.
     input_ids = input_ids.to(device, torch.int64)
     prompt_mask = (torch.ones_like(input_ids) if attention_mask is None
                    else attention_mask.to(device, torch.int64))  # [B, P]
@@ -357,7 +358,7 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
     if streamer is not None:
         streamer.put(input_ids.cpu())
 
-    step = 0
+    step, draft_behind = 0, False
     while rows:
         num_rows = len(rows)
         if not speculative:
@@ -367,9 +368,14 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
             tokens, num_accepted = emitted[:, None], torch.zeros_like(emitted)  # [B, 1], [B]
             target_model.cache.lengths += 1
         else:
-            # 1. Draft K tokens: re-read the last committed token with `pending`, then one at a time.
-            draft_model.cache.lengths.copy_(target_model.cache.lengths - 1)
-            draft_input = torch.stack([last_committed, pending], 1)  # [B, 2]
+            # 1. Draft K tokens, one forward each; the first also re-reads the last committed token
+            #    when the draft is one behind (some row accepted all K drafts last step).
+            if draft_behind:
+                draft_model.cache.lengths.copy_(target_model.cache.lengths - 1)
+                draft_input = torch.stack([last_committed, pending], 1)  # [B, 2]
+            else:
+                draft_model.cache.lengths.copy_(target_model.cache.lengths)
+                draft_input = pending[:, None]  # [B, 1]
             draft_logits, drafts = [], []
             for i in range(k):
                 logits = draft_model(for_draft(draft_input), keep=1)[:, 0].float()  # [B, V_d]
@@ -410,7 +416,8 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
 
         # Host bookkeeping: append each row's new tokens, stop rows at EOS or max_new_tokens.
         keep_rows = []
-        for j, (row_tokens, n) in enumerate(zip(tokens.tolist(), num_accepted.tolist())):
+        counts = num_accepted.tolist()
+        for j, (row_tokens, n) in enumerate(zip(tokens.tolist(), counts)):
             row = rows[j]
             new = row_tokens[:n + 1][:max_new_tokens - len(generated[row])]
             stop = next((i for i, t in enumerate(new) if t in eos_ids), None)
@@ -425,6 +432,7 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
                 streamer.put(torch.tensor(new))
             if stop is None and len(generated[row]) < max_new_tokens:
                 keep_rows.append(j)
+        draft_behind = speculative and any(counts[j] == k for j in keep_rows)
         if len(keep_rows) < num_rows:  # finished rows leave the batch (and the caches)
             keep = torch.tensor(keep_rows, dtype=torch.int64, device=device)  # [B']
             rows = [rows[j] for j in keep_rows]
