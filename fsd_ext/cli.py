@@ -3,6 +3,7 @@ few coding prompts with the offline Qwen2.5-Coder 1.5B/0.5B pair, or any pair yo
 
     fsd-ext demo                                    # offline Qwen2.5-Coder 1.5B / 0.5B
     fsd-ext generate --target T --draft D --prompt "def quicksort(xs):" --rule fsd --threshold 0.3
+    fsd-ext bench frontier --problems 20            # HumanEval pass@1 vs tokens/s sweep
 """
 
 from __future__ import annotations
@@ -149,12 +150,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--show-text", action="store_true", help="print each rule's first answer")
     _add_sampling_args(demo, temperature=0.0)
     demo.set_defaults(func=cmd_demo, max_new_tokens=48)
+
+    bench = sub.add_parser("bench", help="benchmarks (frontier: HumanEval pass@1 vs tokens/s sweep)")
+    from .frontier import add_frontier_parser
+
+    add_frontier_parser(bench.add_subparsers(dest="bench_command", required=True))
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.threads:
+    if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     if args.command == "generate" and args.rule != "ar" and args.draft is None:
         build_parser().error("--draft is needed unless --rule ar")
