@@ -131,10 +131,11 @@ struct AcceptKernel {
     if (t.sample.one_hot >= 0) return t.sample.one_hot;  // greedy: residual of one-hots is argmax p
     const T* target = target_row(b, i);
     const T* draft = draft_row(b, i);
-    const Dist &p = t.sample, &q = d.sample;
-    auto prob = [](const T* row, const Dist& dist, int64_t j) {
+    const Dist p = t.sample, q = d.sample;  // copies: loop-invariant locals for the vectoriser
+    auto prob = [](const T* row, const Dist& dist, int64_t j) {  // computed unconditionally: vectorises
       const float s = dist.scaled(load_logit(row, j));
-      return s >= dist.cut ? exp_nonpositive(s - dist.log_sum) : 0.0f;
+      const float e = exp_nonpositive(s - dist.log_sum);
+      return s >= dist.cut ? e : 0.0f;
     };
     auto residual = [&](int64_t j) {
       const float diff = prob(target, p, j) - prob(draft, q, j);

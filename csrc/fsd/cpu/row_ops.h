@@ -27,7 +27,7 @@ struct Dist {
   int64_t one_hot = -1;   // >= 0: one-hot at this id
 
   bool plain() const { return one_hot < 0 && cut == -kInf; }
-  inline float scaled(float logit) const { return (logit - max) * inv_tau; }
+  FSD_ALWAYS_INLINE float scaled(float logit) const { return (logit - max) * inv_tau; }
   // log p_j in double (the decision and the reference comparison want the extra precision).
   double log_prob(float logit, int64_t id) const {
     if (one_hot >= 0) return id == one_hot ? 0.0 : -(double)kInf;
@@ -129,9 +129,10 @@ SplitWeight<Below, Above> split_weight(int64_t split, Below below, Above above) 
 // exp(s_j) over kept ids, unnormalised: the weights of a sample of p (total = d.sum).
 template <typename T>
 auto kept_exp(const T* row, const Dist& d) {
-  return [row, &d](int64_t j) {
+  return [row, d](int64_t j) {  // d by value: loop-invariant fields, so the loop vectorises
     const float s = d.scaled(load_logit(row, j));
-    return s >= d.cut ? exp_nonpositive(s) : 0.0f;
+    const float e = exp_nonpositive(s);
+    return s >= d.cut ? e : 0.0f;
   };
 }
 

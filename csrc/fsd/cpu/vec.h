@@ -19,6 +19,12 @@
 #define FSD_CPU_CLONES
 #endif
 
+#if defined(__GNUC__)
+#define FSD_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define FSD_ALWAYS_INLINE inline
+#endif
+
 // Marks the fixed-width lane loops for the vectoriser (needs -fopenmp-simd; a no-op without it).
 #define FSD_SIMD _Pragma("omp simd")
 
@@ -32,40 +38,41 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 struct BFloat16 { uint16_t bits; };
 struct Float16 { uint16_t bits; };
 
-inline float bits_to_float(uint32_t bits) {
+FSD_ALWAYS_INLINE float bits_to_float(uint32_t bits) {
   float value;
   std::memcpy(&value, &bits, sizeof(value));
   return value;
 }
 
-inline uint32_t float_to_bits(float value) {
+FSD_ALWAYS_INLINE uint32_t float_to_bits(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof(bits));
   return bits;
 }
 
-inline float to_float(float x) { return x; }
-inline float to_float(BFloat16 x) { return bits_to_float((uint32_t)x.bits << 16); }
-inline float to_float(Float16 x) {
+FSD_ALWAYS_INLINE float to_float(float x) { return x; }
+FSD_ALWAYS_INLINE float to_float(BFloat16 x) { return bits_to_float((uint32_t)x.bits << 16); }
+FSD_ALWAYS_INLINE float to_float(Float16 x) {
   // Shift the half's exponent and mantissa into float position, then rescale the exponent bias
   // (15 -> 127) with one multiply; this also turns half subnormals into the right floats.
   const uint32_t magnitude = x.bits & 0x7FFFu;
   float value = bits_to_float(magnitude << 13) * 0x1p112f;
-  if (magnitude >= 0x7C00u) value = bits_to_float((magnitude << 13) | 0x7F800000u);  // inf / NaN
+  const float special = bits_to_float((magnitude << 13) | 0x7F800000u);  // inf / NaN
+  value = magnitude >= 0x7C00u ? special : value;
   return bits_to_float(float_to_bits(value) | ((uint32_t)(x.bits & 0x8000u) << 16));
 }
 
 // A logit as the kernels see it: +inf counts as the largest finite float (DESIGN: the limit of a
 // huge logit), so softmax stays defined; NaN stays NaN (it only reaches rows already invalid).
 template <typename T>
-inline float load_logit(const T* row, int64_t j) {
+FSD_ALWAYS_INLINE float load_logit(const T* row, int64_t j) {
   const float x = to_float(row[j]);
   return x < FLT_MAX ? x : (x == kInf ? FLT_MAX : x);
 }
 
 // exp(x) for x <= 0 (all the kernels need), within 2 ulp of std::exp; exactly 0 below -87 and for
 // -inf. Cody-Waite range reduction and the Cephes expf polynomial.
-inline float exp_nonpositive(float x) {
+FSD_ALWAYS_INLINE float exp_nonpositive(float x) {
   const float clamped = x > -87.0f ? (x < 0.0f ? x : 0.0f) : -87.0f;
   const float t = clamped * 1.44269504088896341f;
   const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23 trick
@@ -83,7 +90,7 @@ inline float exp_nonpositive(float x) {
 }
 
 // log(x) for x >= 0 (log 0 = -inf), within 2 ulp of std::log for normal x. Cephes logf.
-inline float log_nonnegative(float x) {
+FSD_ALWAYS_INLINE float log_nonnegative(float x) {
   const float safe = x > FLT_MIN ? x : FLT_MIN;
   const uint32_t bits = float_to_bits(safe);
   float e = (float)((int32_t)(bits >> 23) - 126);
@@ -109,7 +116,7 @@ inline float log_nonnegative(float x) {
 }
 
 struct FastLog {
-  inline float operator()(float x) const { return log_nonnegative(x); }
+  FSD_ALWAYS_INLINE float operator()(float x) const { return log_nonnegative(x); }
 };
 
 struct PreciseLog {
