@@ -219,3 +219,12 @@ def test_fsd_with_zero_threshold_is_sd_and_huge_threshold_accepts_all():
     assert (all_in.num_accepted == 4).all()
     assert torch.equal(all_in.tokens[:, :4], tokens)
     assert (fsd0.num_accepted <= all_in.num_accepted).all()
+
+
+@pytest.mark.parametrize("div_temperature", [None, 1.0, 0.5])
+def test_greedy_rule_divergences_without_sampling_stats(div_temperature):
+    """The greedy rule skips the sampling sums; the divergences it returns must not use them."""
+    target, draft, tokens = make_problem(6, 3, 2000, seed=16)
+    kernel, ref = both(target, draft, tokens, rule="greedy", divergence="js", seed=1,
+                       div_temperature=div_temperature, temperature=0.8, return_divergence=True)
+    assert_same_result(kernel, ref)

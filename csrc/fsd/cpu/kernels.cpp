@@ -31,17 +31,21 @@ struct RowStats {
   float max = 0.0f;
   int64_t argmax = -1;  // filled when the rule or a greedy row needs it
   Dist sample;          // the sampling distribution p_i / q_i
+  bool has_sample = false;  // `sample` was computed (the greedy rule skips it)
 };
 
+// need_sampling = false (the greedy rule, which only compares and emits argmaxes) skips the
+// sampling distribution's sum, a full pass over the row.
 template <typename T>
 RowStats row_stats(const T* row, int64_t n, float tau, const SamplingFilter& filter, bool need_argmax,
-                   std::vector<float>& scratch) {
+                   std::vector<float>& scratch, bool need_sampling = true) {
   RowStats stats;
   const RowScan scan = scan_row(row, n);
   stats.bad = scan.bad;
   if (scan.bad) return stats;
   stats.max = scan.max;
-  stats.sample = sampling_dist(row, n, scan.max, tau, filter, scratch);
+  if (need_sampling) stats.sample = sampling_dist(row, n, scan.max, tau, filter, scratch);
+  stats.has_sample = need_sampling;
   stats.argmax = stats.sample.one_hot >= 0 ? stats.sample.one_hot
                  : need_argmax               ? first_index_of(row, n, scan.max)
                                              : -1;
@@ -56,7 +60,7 @@ Dist divergence_dist(const T* row, int64_t n, const RowStats& stats, bool uses_s
   Dist d;
   d.max = stats.max;
   d.inv_tau = inverse_temperature(div_tau);
-  if (stats.sample.plain() && stats.sample.inv_tau == d.inv_tau) return stats.sample;
+  if (stats.has_sample && stats.sample.plain() && stats.sample.inv_tau == d.inv_tau) return stats.sample;
   d.sum = sum_exp(row, n, d);
   d.log_sum = (float)std::log(d.sum);
   return d;
@@ -91,11 +95,13 @@ struct AcceptKernel {
     const int64_t k = pb.max_draft, used = num_draft(b);
     if (used < 0 || used > k || i > used) return;  // unused position (or an invalid row)
     const float tau = pb.temperature.at(b);
+    const bool greedy_rule = pb.rule == Rule::Greedy;
+    const bool need_sampling = !greedy_rule || (pb.need_divergence && pb.div_uses_sampling);
     RowStats& t = target_stats[b * (k + 1) + i];
-    t = row_stats(target_row(b, i), pb.target_vocab, tau, pb.filter, pb.rule == Rule::Greedy, scratch);
+    t = row_stats(target_row(b, i), pb.target_vocab, tau, pb.filter, greedy_rule, scratch, need_sampling);
     if (i == used) return;  // the bonus position has no draft
     RowStats& d = draft_stats[b * k + i];
-    d = row_stats(draft_row(b, i), pb.draft_vocab, tau, pb.filter, false, scratch);
+    d = row_stats(draft_row(b, i), pb.draft_vocab, tau, pb.filter, false, scratch, need_sampling);
     if (!pb.need_divergence || t.bad || d.bad) return;
     const float div_tau = pb.div_temperature.at(b);
     const Dist p = divergence_dist(target_row(b, i), pb.target_vocab, t, pb.div_uses_sampling, div_tau);
@@ -173,10 +179,13 @@ struct AcceptKernel {
       const int64_t i = accepted, token = draft_token(b, i);
       const RowStats& t = target_stats[b * (k + 1) + i];
       const RowStats& d = draft_stats[b * k + i];
-      const double p_token = std::exp(t.sample.log_prob(load_logit(target_row(b, i), token), token));
-      const double q_token = std::exp(d.sample.log_prob(load_logit(draft_row(b, i), token), token));
+      const bool greedy_rule = pb.rule == Rule::Greedy;
+      const bool is_argmax = greedy_rule && token == target_argmax(b, i);
+      const double p_token =
+          greedy_rule ? 0.0 : std::exp(t.sample.log_prob(load_logit(target_row(b, i), token), token));
+      const double q_token =
+          greedy_rule ? 0.0 : std::exp(d.sample.log_prob(load_logit(draft_row(b, i), token), token));
       const double coin = draw_uniform(pb.key, b, i, Purpose::Accept);
-      const bool is_argmax = pb.rule == Rule::Greedy && token == target_argmax(b, i);
       const float div = pb.need_divergence ? pb.divergences[b * k + i] : kNaN;
       if (!accept_draft(pb.rule, div, threshold, coin, p_token, q_token, is_argmax)) break;
       tokens[i] = token;
