@@ -138,6 +138,8 @@ def divergence_from_logprobs(logp: torch.Tensor, logq: torch.Tensor, kind: str) 
             terms = 0.5 * (kl_terms(m, log_m, logp) + kl_terms(m, log_m, logq))
         else:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {kind!r}")
+        # m underflows to 0 only where p and q are subnormal: those terms are 0, not inf.
+        terms = torch.where(m > 0, terms, zero)
     return terms.sum(-1).clamp_min(0.0)
 
 

@@ -228,3 +228,20 @@ def test_greedy_rule_divergences_without_sampling_stats(div_temperature):
     kernel, ref = both(target, draft, tokens, rule="greedy", divergence="js", seed=1,
                        div_temperature=div_temperature, temperature=0.8, return_divergence=True)
     assert_same_result(kernel, ref)
+
+
+def test_js_stays_finite_when_the_mixture_underflows():
+    """Regression (found by the fuzzer): near-one-hot distributions at div_temperature 1e-6 made
+    m = (p + q) / 2 underflow to 0 where p was subnormal, and log(0) turned JS into +inf."""
+    gen = torch.Generator().manual_seed(0)
+    target = torch.randn(9, 8, 7, generator=gen) * 1e-3
+    draft = torch.randn(9, 7, 7, generator=gen) * 1e-3
+    tokens = torch.randint(0, 7, (9, 7), generator=gen)
+    for div_top_k in (None, 3):
+        kernel, ref = both(target, draft, tokens, rule="greedy", divergence="js", temperature=0.0,
+                           div_temperature=1e-6, div_top_k=div_top_k, seed=0, return_divergence=True)
+        assert_same_result(kernel, ref)
+        assert (kernel.divergence <= 0.6931472).all()
+    p = torch.tensor([[0.0, -744.5, -1e4]], dtype=torch.float64)  # exp(-744.5) is subnormal
+    q = torch.tensor([[-1e4, 0.0, -744.5]], dtype=torch.float64)
+    assert reference.divergence_from_logprobs(p.log_softmax(-1), q.log_softmax(-1), "js").isfinite().all()

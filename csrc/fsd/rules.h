@@ -20,6 +20,9 @@ FSD_INLINE F divergence_term(F p, F lp, F q, F lq, LogFn log_fn) {
   if (D == Divergence::RKL) return q > zero ? q * (lq - lp) : zero;
   if (D == Divergence::TV) return half * (p > q ? p - q : q - p);
   const F m = half * (p + q);
+  // m can underflow to 0 while p or q is a subnormal > 0; such a term is below the smallest
+  // float anyway, and log(0) = -inf would turn it into +inf.
+  if (!(m > zero)) return zero;
   const F lm = log_fn(m);
   if (D == Divergence::JS)
     return half * ((p > zero ? p * (lp - lm) : zero) + (q > zero ? q * (lq - lm) : zero));
