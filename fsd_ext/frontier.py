@@ -235,11 +235,11 @@ _STAT_NAMES = {  # our name -> the name in fsd_ext.GenerateStats (or a dict of a
     "accepted_hist": "accepted_histogram",
     "accepted_drafts": "accepted_drafts",
     "verify_steps": "verifications",
-    # Not in GenerateStats yet: accepted drafts whose SD test (u * q(d) <= p(d)) failed. Used when
-    # present; otherwise counted by a teacher-forced pass under greedy decoding.
+    # Accepted drafts that plain SD would have rejected (fsd_ext.generate counts them under greedy
+    # decoding); a generate function without it gets them from a teacher-forced pass (greedy).
     "sd_rejected": "sd_rejected_accepted",
-    # Not in GenerateStats yet: seconds spent in the prompt forwards (target and draft). With it the
-    # summary adds decode-only tokens/s, which on a CPU differs a lot from the end-to-end rate.
+    # Seconds in the prompt forwards (target and draft): the summary's decode-only tokens/s, which
+    # on a CPU differs a lot from the end-to-end rate.
     "prefill_seconds": "prefill_seconds",
 }
 

@@ -58,18 +58,28 @@ class GenerateStats:
     num_draft_tokens: int
     new_tokens: int = 0  # generated tokens, all rows together
     seconds: float = 0.0  # wall time of the whole call
+    prefill_seconds: float = 0.0  # the prompt forwards of both models (inside seconds)
     target_forwards: int = 0  # prefill included
     target_seconds: float = 0.0
     draft_forwards: int = 0
     draft_seconds: float = 0.0
     verifications: int = 0  # target verification calls x rows verified (row-steps)
-    accepted_drafts: int = 0  # drafts accepted over all row-steps
+    accepted_drafts: int = 0  # accepted drafts kept in the output (none past a row's end)
+    # Greedy decoding only (temperature 0, else None): kept accepted drafts that are not the
+    # target's argmax, i.e. the tokens plain SD would have rejected (0 for sd/greedy by definition).
+    sd_rejected_accepted: Optional[int] = None
     accepted_histogram: List[int] = field(default_factory=list)  # [K+1]: row-steps accepting n
     divergences: Optional[List[torch.Tensor]] = None  # per step, [B_active, K] float32
 
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens/s without the prompt forwards (which dominate short outputs on a CPU)."""
+        seconds = self.seconds - self.prefill_seconds
+        return self.new_tokens / seconds if seconds > 0 else 0.0
 
     @property
     def mean_accepted(self) -> float:
@@ -347,9 +357,14 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
     draft_vocab = _vocab_size(draft) if speculative else 0
     for_draft = (lambda t: t.masked_fill(t >= draft_vocab, 0)) if speculative and \
         draft_vocab < _vocab_size(target) else (lambda t: t)
+    prefill_start = time.perf_counter()
     for cached, prompt in zip(models, (ids, for_draft(ids))):  # prefill all but the last token
         cached(prompt[:, :-1], keep=1, prefill=True)
         cached.cache.lengths.fill_(prompt_len)
+    stats.prefill_seconds = time.perf_counter() - prefill_start
+    count_sd_rejections = speculative and temperature == 0.0
+    if count_sd_rejections:
+        stats.sd_rejected_accepted = 0
 
     pending = ids[:, -1].clone()  # [B] the last token, not yet seen by any model
     last_committed = ids[:, -2].clone()  # [B] the token before it (re-read by the draft)
@@ -403,6 +418,9 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
                                    f"finite value at step {step}")
             if output_divergences:
                 stats.divergences.append(result.divergence.cpu())
+            # Greedy: which drafts SD would have rejected ([B, K] bool, read only where accepted).
+            off_target = (target_logits[:, :k].argmax(-1) != drafts) if count_sd_rejections \
+                else None
 
             # 4. Commit pending + the accepted drafts; the emitted token is the new pending one.
             target_model.cache.lengths += num_accepted + 1
@@ -417,6 +435,7 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         # Host bookkeeping: append each row's new tokens, stop rows at EOS or max_new_tokens.
         keep_rows = []
         counts = num_accepted.tolist()
+        off_target_rows = off_target.tolist() if speculative and count_sd_rejections else None
         for j, (row_tokens, n) in enumerate(zip(tokens.tolist(), counts)):
             row = rows[j]
             new = row_tokens[:n + 1][:max_new_tokens - len(generated[row])]
@@ -426,7 +445,10 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
             generated[row].extend(new)
             stats.new_tokens += len(new)
             stats.verifications += 1
-            stats.accepted_drafts += n
+            kept_drafts = min(n, len(new))  # accepted drafts past EOS / max_new_tokens are cut
+            stats.accepted_drafts += kept_drafts
+            if off_target_rows is not None:
+                stats.sd_rejected_accepted += sum(off_target_rows[j][:kept_drafts])
             stats.accepted_histogram[n] += 1
             if streamer is not None and new:
                 streamer.put(torch.tensor(new))

@@ -273,6 +273,38 @@ def test_stats_and_divergences(target, draft):
     assert "tokens/s" in stats.summary()
 
 
+@pytest.mark.parametrize("rule", ["greedy", "sd", "fsd"])
+def test_greedy_counts_the_drafts_sd_would_reject(target, draft, rule):
+    """Under greedy decoding every emitted correction/bonus is the target's argmax, so the generated
+    tokens that differ from a teacher-forced target argmax are exactly the accepted off-target
+    drafts; sd and greedy accept none."""
+    ids, mask = random_prompts([7], seed=21)
+    out = fsd_ext.generate(target, draft, ids, mask, rule=rule, threshold=0.6, temperature=0.0,
+                           num_draft_tokens=4, max_new_tokens=24, eos_token_id=[])
+    logits = target(out.sequences).logits[0]
+    predicted = logits[ids.shape[1] - 1:-1].argmax(-1)
+    mismatches = int((predicted != out.sequences[0, ids.shape[1]:]).sum())
+    assert out.stats.sd_rejected_accepted == mismatches
+    assert (mismatches == 0) == (rule != "fsd")  # the fsd case must really exercise the count
+    sampled = fsd_ext.generate(target, draft, ids, mask, rule="fsd", temperature=1.0, seed=0,
+                               num_draft_tokens=4, max_new_tokens=8, eos_token_id=[])
+    assert sampled.stats.sd_rejected_accepted is None  # only defined under greedy
+
+
+def test_prefill_time_and_kept_accepted_drafts(target, draft):
+    """prefill_seconds is part of seconds; accepted drafts cut off by max_new_tokens (or EOS) are not
+    counted, so every kept token is an accepted draft or one correction/bonus per row-step."""
+    ids, mask = random_prompts([5, 3], seed=22)
+    out = fsd_ext.generate(target, draft, ids, mask, rule="fsd", threshold=1e9, temperature=0.0,
+                           num_draft_tokens=4, max_new_tokens=7, eos_token_id=[])
+    stats = out.stats
+    assert 0 < stats.prefill_seconds < stats.seconds
+    assert stats.decode_tokens_per_second > stats.tokens_per_second
+    # Everything is accepted: 5 tokens (4 drafts + bonus) then 2 of the next 5 (both drafts).
+    assert stats.accepted_histogram == [0, 0, 0, 0, 4]
+    assert stats.new_tokens == 14 and stats.accepted_drafts == 2 * (4 + 2)
+
+
 def test_smaller_draft_vocabulary(target):
     small = tiny_llama(3, layers=1, vocab=VOCAB - 28, logit_scale=8.0)
     ids, mask = random_prompts([4, 6], seed=15)
