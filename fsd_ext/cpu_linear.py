@@ -10,11 +10,14 @@ stored layout instead, which measured on this project's 2-core CPU (torch 2.13, 
     Qwen2.5-Coder-1.5B forward, 6 new tokens: 1180 ms -> 744 ms; 0.5B, 2 tokens: 290 ms -> 156 ms
 
 Same products, another summation order: results differ from F.linear by float rounding only
-(tests/test_cpu_linear.py). `use_skinny_cpu_linears(model)` is opt-in because it patches the
-model's modules; `fsd_ext.models.load` applies it to float32 CPU models by default.
+(tests/test_cpu_linear.py). fsd_ext.generate switches it on for its own forwards on the CPU
+(`skinny_cpu_linears="auto"`) and restores the models' modules when it returns;
+`use_skinny_cpu_linears(model)` switches it on for good (e.g. for other decoding loops).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +29,9 @@ _ORIGINAL = "_fsd_original_forward"
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [..., in]; computed as (W @ x^T)^T for few float32 CPU rows."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if (not 0 < rows <= MAX_ROWS or x.device.type != "cpu" or x.dtype != torch.float32
-            or weight.dtype != torch.float32 or x.requires_grad or weight.requires_grad):
+            or weight.dtype != torch.float32 or needs_grad):
         return F.linear(x, weight, bias)
     # The BLAS is fast here only with a contiguous x (x^T is then a transposed operand, not a copy).
     x_rows = x.reshape(rows, x.shape[-1]).contiguous()  # [rows, in]
@@ -61,3 +65,18 @@ def use_skinny_cpu_linears(model: torch.nn.Module, enable: bool = True) -> int:
                 module.forward = original
             changed += 1
     return changed
+
+
+@contextlib.contextmanager
+def skinny_cpu_linears(*models, enabled: bool = True):
+    """use_skinny_cpu_linears on `models` (None entries skipped) for the duration of the block; the
+    modules it changed are restored afterwards (ones already patched are left as they were)."""
+    changed = []
+    try:
+        for model in models:
+            if enabled and model is not None and use_skinny_cpu_linears(model):
+                changed.append(model)
+        yield
+    finally:
+        for model in changed:
+            use_skinny_cpu_linears(model, enable=False)

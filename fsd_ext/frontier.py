@@ -452,45 +452,80 @@ def _progress(total: int, initial: int, desc: str, enabled: bool):
 def run_sweep(configs: Sequence[Config], problems: Sequence[Dict[str, str]], backend: Backend,
               store: ResultStore, limits: humaneval.SandboxLimits = humaneval.SandboxLimits(),
               progress: bool = True, warmup_tokens: int = 0,
-              on_record: Optional[Callable[[Dict[str, Any]], None]] = None) -> int:
+              on_record: Optional[Callable[[Dict[str, Any]], None]] = None,
+              order: str = "config") -> int:
     """Decode and score every (configuration, problem) not yet in the store. Returns how many new
-    records were written."""
-    setup = backend.setup()
-    sid = setup_id(setup)
+    records were written.
+
+    order="config": one configuration after the other, a progress bar each. order="problem": all
+    configurations on problem 1, then on problem 2, ...: a change in machine load during the run
+    then hits every configuration alike, which keeps their tokens/s comparable on a shared machine.
+    """
+    if order not in ("config", "problem"):
+        raise ValueError(f"order must be 'config' or 'problem', got {order!r}")
+    sid = setup_id(backend.setup())
+    todo = {config.key: [p for p in problems if not store.has(sid, config.key, p["task_id"])]
+            for config in configs}
+    if warmup_tokens:  # lazy initialisation, kernel/graph warm-up: not timed
+        for config in configs:
+            if todo[config.key] and (order == "problem" or config is configs[0]):
+                backend.warmup(config, backend.prompt(todo[config.key][0]), warmup_tokens)
     written = 0
-    for config in configs:
-        todo = [p for p in problems if not store.has(sid, config.key, p["task_id"])]
-        bar = _progress(len(problems), len(problems) - len(todo), config.label, progress)
-        if todo and warmup_tokens:  # lazy initialisation, kernel/graph warm-up: not timed
-            backend.warmup(config, backend.prompt(todo[0]), warmup_tokens)
-        passed = 0
-        for problem in todo:
-            start = time.perf_counter()
-            gen = backend.complete(config, backend.prompt(problem))
-            completion = humaneval.extract_completion(gen.text, backend.chat)
-            result = humaneval.check_completion(problem, completion, limits)
-            record = {
-                "setup_id": sid, "setup": setup, "key": config.key, "group": config.group,
-                "config": asdict(config), "task_id": problem["task_id"],
-                "passed": result.passed, "result": result.result, "completion": completion,
-                "generated_text": gen.text, "new_tokens": gen.new_tokens, "seconds": gen.seconds,
-                "wall_s": time.perf_counter() - start, "target_calls": gen.target_calls,
-                "draft_calls": gen.draft_calls, "target_seconds": gen.target_seconds,
-                "draft_seconds": gen.draft_seconds, "prefill_seconds": gen.prefill_seconds,
-                "accepted_hist": gen.accepted_hist,
-                "accepted_drafts": gen.accepted_drafts, "verify_steps": gen.verify_steps,
-                "sd_rejected": gen.sd_rejected, "stats": gen.extra.get("stats"),
-                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            }
-            store.append(record)
-            written += 1
-            passed += result.passed
-            bar.update(1)
-            bar.set_postfix_str(f"pass {passed}/{len(todo)} new, {gen.new_tokens / max(gen.seconds, 1e-9):.1f} tok/s")
-            if on_record is not None:
-                on_record(record)
-        bar.close()
+    if order == "config":
+        for config in configs:
+            if warmup_tokens and config is not configs[0] and todo[config.key]:
+                backend.warmup(config, backend.prompt(todo[config.key][0]), warmup_tokens)
+            bar = _progress(len(problems), len(problems) - len(todo[config.key]), config.label,
+                            progress)
+            passed = 0
+            for problem in todo[config.key]:
+                record = _run_one(config, problem, backend, sid, limits, store, on_record)
+                written, passed = written + 1, passed + record["passed"]
+                bar.update(1)
+                bar.set_postfix_str(f"pass {passed}/{len(todo[config.key])} new, "
+                                    f"{record['new_tokens'] / max(record['seconds'], 1e-9):.1f} tok/s")
+            bar.close()
+        return written
+    pending = sum(len(v) for v in todo.values())
+    total = len(configs) * len(problems)
+    bar = _progress(total, total - pending, "all configurations", progress)
+    for problem in problems:
+        for config in configs:
+            if problem in todo[config.key]:
+                record = _run_one(config, problem, backend, sid, limits, store, on_record)
+                written += 1
+                bar.update(1)
+                bar.set_postfix_str(f"{problem['task_id']} {config.label}: "
+                                    f"{'pass' if record['passed'] else 'fail'}")
+    bar.close()
     return written
+
+
+def _run_one(config: Config, problem: Dict[str, str], backend: Backend, sid: str,
+             limits: humaneval.SandboxLimits, store: ResultStore,
+             on_record: Optional[Callable[[Dict[str, Any]], None]]) -> Dict[str, Any]:
+    """Decode one problem with one configuration, score it, append the record to the store."""
+    start = time.perf_counter()
+    gen = backend.complete(config, backend.prompt(problem))
+    completion = humaneval.extract_completion(gen.text, backend.chat)
+    result = humaneval.check_completion(problem, completion, limits)
+    record = {
+        "setup_id": sid, "setup": backend.setup(), "key": config.key, "group": config.group,
+        "config": asdict(config), "task_id": problem["task_id"],
+        "passed": result.passed, "result": result.result, "completion": completion,
+        "generated_text": gen.text, "new_tokens": gen.new_tokens, "seconds": gen.seconds,
+        "wall_s": time.perf_counter() - start, "target_calls": gen.target_calls,
+        "draft_calls": gen.draft_calls, "target_seconds": gen.target_seconds,
+        "draft_seconds": gen.draft_seconds, "prefill_seconds": gen.prefill_seconds,
+        "accepted_hist": gen.accepted_hist,
+        "accepted_drafts": gen.accepted_drafts, "verify_steps": gen.verify_steps,
+        "sd_rejected": gen.sd_rejected, "stats": gen.extra.get("stats"),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    store.append(record)
+    if on_record is not None:
+        on_record(record)
+    return record
 
 
 # ----------------------------------------------------------------------------------------------
@@ -840,6 +875,10 @@ def add_arguments(parser: argparse.ArgumentParser):
                      help="an untimed decode of this many tokens before each configuration (0: none)")
     run.add_argument("--no-sd-check", action="store_true",
                      help="skip the teacher-forced target pass that counts accepted drafts SD would reject")
+    run.add_argument("--order", choices=("config", "problem"), default="config",
+                     help="config: one configuration after the other (a progress bar each); problem: "
+                          "every configuration on each problem in turn, so load changes on a shared "
+                          "machine hit all configurations alike")
     run.add_argument("--summarize-only", action="store_true", help="only rebuild summary and plots")
     run.add_argument("--no-progress", action="store_true")
     run.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -979,7 +1018,8 @@ def run_from_args(args, backend: Optional[Backend] = None) -> List[Dict[str, Any
                "start": _now()}
         written = run_sweep(configs, problems, backend, store,
                             humaneval.SandboxLimits(timeout_s=args.timeout),
-                            progress=not args.no_progress, warmup_tokens=args.warmup_tokens)
+                            progress=not args.no_progress, warmup_tokens=args.warmup_tokens,
+                            order=args.order)
         run.update(end=_now(), records_written=written,
                    load_average_end=[round(x, 2) for x in os.getloadavg()])
         _log_run(args.out, run)

@@ -39,6 +39,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from . import ops, reference
+from .cpu_linear import skinny_cpu_linears as skinny_linears_during
 from .kv_cache import StaticKVCache
 from .types import DIVERGENCES, RULES
 
@@ -214,7 +215,8 @@ def _as_ids(value, name: str) -> List[int]:
 
 
 def _check_args(target, draft, input_ids, attention_mask, rule, divergence, threshold,
-                num_draft_tokens, temperature, max_new_tokens, use_cuda_graphs, streamer):
+                num_draft_tokens, temperature, max_new_tokens, use_cuda_graphs, streamer,
+                skinny_cpu_linears):
     if rule not in GENERATE_RULES:
         raise ValueError(f"rule must be one of {GENERATE_RULES}, got {rule!r}")
     if divergence not in DIVERGENCES:
@@ -245,6 +247,9 @@ def _check_args(target, draft, input_ids, attention_mask, rule, divergence, thre
         raise ValueError(f"threshold must be a float >= 0, got {threshold!r}")
     if use_cuda_graphs not in ("auto", True, False):
         raise ValueError(f"use_cuda_graphs must be 'auto', True or False, got {use_cuda_graphs!r}")
+    if skinny_cpu_linears not in ("auto", True, False):
+        raise ValueError(f"skinny_cpu_linears must be 'auto', True or False, "
+                         f"got {skinny_cpu_linears!r}")
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("a streamer needs batch size 1 (as in Hugging Face generate)")
     if rule != "ar":
@@ -286,7 +291,7 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
              min_p: Optional[float] = None, div_temperature: Optional[float] = 1.0,
              max_new_tokens: int = 256, eos_token_id: Union[int, Sequence[int], None] = None,
              pad_token_id: Optional[int] = None, seed=None, use_cuda_graphs="auto", streamer=None,
-             output_divergences: bool = False) -> GenerateOutput:
+             output_divergences: bool = False, skinny_cpu_linears="auto") -> GenerateOutput:
     """Generate with the target model, drafting with the draft model (DESIGN.md section 2).
 
     Args:
@@ -304,6 +309,9 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         use_cuda_graphs: "auto" (on for CUDA), True or False.
         streamer: a Hugging Face streamer (put/end), batch size 1 only.
         output_divergences: keep each step's divergences in stats.divergences.
+        skinny_cpu_linears: "auto" (on for CPU), True or False: compute the models' few-row float32
+            linears the faster way during this call (fsd_ext.cpu_linear; same math, other float
+            rounding than stock F.linear); the models are restored on return.
 
     Returns:
         GenerateOutput(sequences [B, P + N] int64, stats GenerateStats).
@@ -313,167 +321,170 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         >>> print(tokenizer.batch_decode(out.sequences), out.stats.summary())
     """
     _check_args(target, draft, input_ids, attention_mask, rule, divergence, threshold,
-                num_draft_tokens, temperature, max_new_tokens, use_cuda_graphs, streamer)
+                num_draft_tokens, temperature, max_new_tokens, use_cuda_graphs, streamer,
+                skinny_cpu_linears)
     start = time.perf_counter()
     device = next(target.parameters()).device
-    batch, prompt_len = input_ids.shape
-    speculative = rule != "ar"
-    k = int(num_draft_tokens) if speculative else 0
-    temperature = 0.0 if rule == "greedy" else float(temperature)
-    use_graphs = device.type == "cuda" if use_cuda_graphs == "auto" else bool(use_cuda_graphs)
-    if use_graphs and device.type != "cuda":
-        raise ValueError("use_cuda_graphs=True needs the models on a CUDA device")
-    eos_ids = _as_ids(eos_token_id if eos_token_id is not None
-                      else getattr(target.generation_config, "eos_token_id", None), "eos_token_id")
-    if pad_token_id is None:
-        pad_token_id = getattr(target.generation_config, "pad_token_id", None)
-        pad_token_id = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
-    seeds = _row_seeds(seed, batch).to(device)  # [B]
-    sample_args = dict(top_k=top_k, top_p=top_p, min_p=min_p)
-    accept_args = dict(rule=rule, divergence=divergence, temperature=temperature,
-                       div_temperature=div_temperature, **sample_args,
-                       return_divergence=output_divergences)
-    if isinstance(threshold, torch.Tensor):
-        threshold = threshold.to(device, torch.float32)  # [B] per-row thresholds
+    fast_linears = device.type == "cpu" if skinny_cpu_linears == "auto" else bool(skinny_cpu_linears)
+    with skinny_linears_during(target, draft if rule != "ar" else None, enabled=fast_linears):
+        batch, prompt_len = input_ids.shape
+        speculative = rule != "ar"
+        k = int(num_draft_tokens) if speculative else 0
+        temperature = 0.0 if rule == "greedy" else float(temperature)
+        use_graphs = device.type == "cuda" if use_cuda_graphs == "auto" else bool(use_cuda_graphs)
+        if use_graphs and device.type != "cuda":
+            raise ValueError("use_cuda_graphs=True needs the models on a CUDA device")
+        eos_ids = _as_ids(eos_token_id if eos_token_id is not None
+                          else getattr(target.generation_config, "eos_token_id", None), "eos_token_id")
+        if pad_token_id is None:
+            pad_token_id = getattr(target.generation_config, "pad_token_id", None)
+            pad_token_id = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+        seeds = _row_seeds(seed, batch).to(device)  # [B]
+        sample_args = dict(top_k=top_k, top_p=top_p, min_p=min_p)
+        accept_args = dict(rule=rule, divergence=divergence, temperature=temperature,
+                           div_temperature=div_temperature, **sample_args,
+                           return_divergence=output_divergences)
+        if isinstance(threshold, torch.Tensor):
+            threshold = threshold.to(device, torch.float32)  # [B] per-row thresholds
 
-    # One extra padding slot in front of every row (never attended to), so that the prefill of all
-    # but the last prompt token is never empty and `last_committed` always exists.
-    input_ids = input_ids.to(device, torch.int64)
-    prompt_mask = (torch.ones_like(input_ids) if attention_mask is None
-                   else attention_mask.to(device, torch.int64))  # [B, P]
-    pad = 1 + (prompt_mask == 0).sum(1)  # [B] leading padding slots per row
-    ids = torch.cat([torch.full_like(input_ids[:, :1], pad_token_id), input_ids], 1)  # [B, P+1]
-    capacity = prompt_len + 1 + max_new_tokens + k + 1
+        # One extra padding slot in front of every row (never attended to), so that the prefill of all
+        # but the last prompt token is never empty and `last_committed` always exists.
+        input_ids = input_ids.to(device, torch.int64)
+        prompt_mask = (torch.ones_like(input_ids) if attention_mask is None
+                       else attention_mask.to(device, torch.int64))  # [B, P]
+        pad = 1 + (prompt_mask == 0).sum(1)  # [B] leading padding slots per row
+        ids = torch.cat([torch.full_like(input_ids[:, :1], pad_token_id), input_ids], 1)  # [B, P+1]
+        capacity = prompt_len + 1 + max_new_tokens + k + 1
 
-    stats = GenerateStats(rule=rule, num_draft_tokens=k, accepted_histogram=[0] * (k + 1),
-                          divergences=[] if output_divergences else None)
-    models = [_CachedModel(target, pad, capacity, use_graphs)]
-    if speculative:
-        models.append(_CachedModel(draft, pad, capacity, use_graphs))
-    target_model = models[0]
-    draft_model = models[1] if speculative else None
-    # A smaller draft vocabulary can't read the target-only ids the target may emit: the draft sees
-    # id 0 instead (this only changes what it proposes; the target still verifies every token).
-    draft_vocab = _vocab_size(draft) if speculative else 0
-    for_draft = (lambda t: t.masked_fill(t >= draft_vocab, 0)) if speculative and \
-        draft_vocab < _vocab_size(target) else (lambda t: t)
-    prefill_start = time.perf_counter()
-    for cached, prompt in zip(models, (ids, for_draft(ids))):  # prefill all but the last token
-        cached(prompt[:, :-1], keep=1, prefill=True)
-        cached.cache.lengths.fill_(prompt_len)
-    stats.prefill_seconds = time.perf_counter() - prefill_start
-    count_sd_rejections = speculative and temperature == 0.0
-    if count_sd_rejections:
-        stats.sd_rejected_accepted = 0
+        stats = GenerateStats(rule=rule, num_draft_tokens=k, accepted_histogram=[0] * (k + 1),
+                              divergences=[] if output_divergences else None)
+        models = [_CachedModel(target, pad, capacity, use_graphs)]
+        if speculative:
+            models.append(_CachedModel(draft, pad, capacity, use_graphs))
+        target_model = models[0]
+        draft_model = models[1] if speculative else None
+        # A smaller draft vocabulary can't read the target-only ids the target may emit: the draft sees
+        # id 0 instead (this only changes what it proposes; the target still verifies every token).
+        draft_vocab = _vocab_size(draft) if speculative else 0
+        for_draft = (lambda t: t.masked_fill(t >= draft_vocab, 0)) if speculative and \
+            draft_vocab < _vocab_size(target) else (lambda t: t)
+        prefill_start = time.perf_counter()
+        for cached, prompt in zip(models, (ids, for_draft(ids))):  # prefill all but the last token
+            cached(prompt[:, :-1], keep=1, prefill=True)
+            cached.cache.lengths.fill_(prompt_len)
+        stats.prefill_seconds = time.perf_counter() - prefill_start
+        count_sd_rejections = speculative and temperature == 0.0
+        if count_sd_rejections:
+            stats.sd_rejected_accepted = 0
 
-    pending = ids[:, -1].clone()  # [B] the last token, not yet seen by any model
-    last_committed = ids[:, -2].clone()  # [B] the token before it (re-read by the draft)
-    rows = list(range(batch))  # original row index of each active batch row
-    generated: List[List[int]] = [[] for _ in range(batch)]
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
+        pending = ids[:, -1].clone()  # [B] the last token, not yet seen by any model
+        last_committed = ids[:, -2].clone()  # [B] the token before it (re-read by the draft)
+        rows = list(range(batch))  # original row index of each active batch row
+        generated: List[List[int]] = [[] for _ in range(batch)]
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
 
-    step, draft_behind = 0, False
-    while rows:
-        num_rows = len(rows)
-        if not speculative:
-            logits = target_model(pending[:, None], keep=1)[:, 0]  # [B, V_t]
-            emitted = _sample(logits.float(), temperature, **sample_args, seed=seeds,
-                              offset=step).to(device)  # [B]
-            tokens, num_accepted = emitted[:, None], torch.zeros_like(emitted)  # [B, 1], [B]
-            target_model.cache.lengths += 1
-        else:
-            # 1. Draft K tokens, one forward each; the first also re-reads the last committed token
-            #    when the draft is one behind (some row accepted all K drafts last step).
-            if draft_behind:
-                draft_model.cache.lengths.copy_(target_model.cache.lengths - 1)
-                draft_input = torch.stack([last_committed, pending], 1)  # [B, 2]
+        step, draft_behind = 0, False
+        while rows:
+            num_rows = len(rows)
+            if not speculative:
+                logits = target_model(pending[:, None], keep=1)[:, 0]  # [B, V_t]
+                emitted = _sample(logits.float(), temperature, **sample_args, seed=seeds,
+                                  offset=step).to(device)  # [B]
+                tokens, num_accepted = emitted[:, None], torch.zeros_like(emitted)  # [B, 1], [B]
+                target_model.cache.lengths += 1
             else:
-                draft_model.cache.lengths.copy_(target_model.cache.lengths)
-                draft_input = pending[:, None]  # [B, 1]
-            draft_logits, drafts = [], []
-            for i in range(k):
-                logits = draft_model(for_draft(draft_input), keep=1)[:, 0].float()  # [B, V_d]
-                draft_model.cache.lengths += draft_input.shape[1]
-                token = _sample(logits, temperature, **sample_args, seed=seeds,
-                                offset=step * k + i).to(device)  # [B]
-                draft_logits.append(logits)
-                drafts.append(token)
-                draft_input = token[:, None]  # [B, 1]
-            draft_logits = torch.stack(draft_logits, 1)  # [B, K, V_d]
-            drafts = torch.stack(drafts, 1)  # [B, K]
+                # 1. Draft K tokens, one forward each; the first also re-reads the last committed token
+                #    when the draft is one behind (some row accepted all K drafts last step).
+                if draft_behind:
+                    draft_model.cache.lengths.copy_(target_model.cache.lengths - 1)
+                    draft_input = torch.stack([last_committed, pending], 1)  # [B, 2]
+                else:
+                    draft_model.cache.lengths.copy_(target_model.cache.lengths)
+                    draft_input = pending[:, None]  # [B, 1]
+                draft_logits, drafts = [], []
+                for i in range(k):
+                    logits = draft_model(for_draft(draft_input), keep=1)[:, 0].float()  # [B, V_d]
+                    draft_model.cache.lengths += draft_input.shape[1]
+                    token = _sample(logits, temperature, **sample_args, seed=seeds,
+                                    offset=step * k + i).to(device)  # [B]
+                    draft_logits.append(logits)
+                    drafts.append(token)
+                    draft_input = token[:, None]  # [B, 1]
+                draft_logits = torch.stack(draft_logits, 1)  # [B, K, V_d]
+                drafts = torch.stack(drafts, 1)  # [B, K]
 
-            # 2. Verify: the target reads pending and the K drafts in one forward.
-            verify_input = torch.cat([pending[:, None], drafts], 1)  # [B, K+1]
-            target_logits = target_model(verify_input, keep=k + 1).float()  # [B, K+1, V_t]
+                # 2. Verify: the target reads pending and the K drafts in one forward.
+                verify_input = torch.cat([pending[:, None], drafts], 1)  # [B, K+1]
+                target_logits = target_model(verify_input, keep=k + 1).float()  # [B, K+1, V_t]
 
-            # 3. Accept: one fused call.
-            result = _accept(target_logits, draft_logits, drafts, threshold=threshold,
-                             **accept_args, seed=seeds, offset=step)
-            tokens = result.tokens.to(device)  # [B, K+1]
-            num_accepted = result.num_accepted.to(device)  # [B]
-            if not bool(result.valid.all()):
-                bad = [rows[j] for j in (~result.valid).nonzero()[:, 0].tolist()]
-                raise RuntimeError(f"the target or draft logits of row(s) {bad} hold NaN or no "
-                                   f"finite value at step {step}")
-            if output_divergences:
-                stats.divergences.append(result.divergence.cpu())
-            # Greedy: which drafts SD would have rejected ([B, K] bool, read only where accepted).
-            off_target = (target_logits[:, :k].argmax(-1) != drafts) if count_sd_rejections \
-                else None
+                # 3. Accept: one fused call.
+                result = _accept(target_logits, draft_logits, drafts, threshold=threshold,
+                                 **accept_args, seed=seeds, offset=step)
+                tokens = result.tokens.to(device)  # [B, K+1]
+                num_accepted = result.num_accepted.to(device)  # [B]
+                if not bool(result.valid.all()):
+                    bad = [rows[j] for j in (~result.valid).nonzero()[:, 0].tolist()]
+                    raise RuntimeError(f"the target or draft logits of row(s) {bad} hold NaN or no "
+                                       f"finite value at step {step}")
+                if output_divergences:
+                    stats.divergences.append(result.divergence.cpu())
+                # Greedy: which drafts SD would have rejected ([B, K] bool, read only where accepted).
+                off_target = (target_logits[:, :k].argmax(-1) != drafts) if count_sd_rejections \
+                    else None
 
-            # 4. Commit pending + the accepted drafts; the emitted token is the new pending one.
-            target_model.cache.lengths += num_accepted + 1
-            arange = torch.arange(num_rows, device=device)
-            last_committed = torch.where(num_accepted > 0,
-                                         drafts[arange, (num_accepted - 1).clamp_min(0)], pending)
-        pending = tokens[torch.arange(num_rows, device=device), num_accepted]  # [B]
-        if (pending < 0).any():
-            raise RuntimeError(f"the logits hold NaN or no finite value at step {step}")
-        step += 1
+                # 4. Commit pending + the accepted drafts; the emitted token is the new pending one.
+                target_model.cache.lengths += num_accepted + 1
+                arange = torch.arange(num_rows, device=device)
+                last_committed = torch.where(num_accepted > 0,
+                                             drafts[arange, (num_accepted - 1).clamp_min(0)], pending)
+            pending = tokens[torch.arange(num_rows, device=device), num_accepted]  # [B]
+            if (pending < 0).any():
+                raise RuntimeError(f"the logits hold NaN or no finite value at step {step}")
+            step += 1
 
-        # Host bookkeeping: append each row's new tokens, stop rows at EOS or max_new_tokens.
-        keep_rows = []
-        counts = num_accepted.tolist()
-        off_target_rows = off_target.tolist() if speculative and count_sd_rejections else None
-        for j, (row_tokens, n) in enumerate(zip(tokens.tolist(), counts)):
-            row = rows[j]
-            new = row_tokens[:n + 1][:max_new_tokens - len(generated[row])]
-            stop = next((i for i, t in enumerate(new) if t in eos_ids), None)
-            if stop is not None:
-                new = new[:stop + 1]
-            generated[row].extend(new)
-            stats.new_tokens += len(new)
-            stats.verifications += 1
-            kept_drafts = min(n, len(new))  # accepted drafts past EOS / max_new_tokens are cut
-            stats.accepted_drafts += kept_drafts
-            if off_target_rows is not None:
-                stats.sd_rejected_accepted += sum(off_target_rows[j][:kept_drafts])
-            stats.accepted_histogram[n] += 1
-            if streamer is not None and new:
-                streamer.put(torch.tensor(new))
-            if stop is None and len(generated[row]) < max_new_tokens:
-                keep_rows.append(j)
-        draft_behind = speculative and any(counts[j] == k for j in keep_rows)
-        if len(keep_rows) < num_rows:  # finished rows leave the batch (and the caches)
-            keep = torch.tensor(keep_rows, dtype=torch.int64, device=device)  # [B']
-            rows = [rows[j] for j in keep_rows]
-            for cached in models:
-                cached.select(keep)
-            pending, last_committed, seeds = pending[keep], last_committed[keep], seeds[keep]
-            if isinstance(threshold, torch.Tensor):
-                threshold = threshold[keep]
+            # Host bookkeeping: append each row's new tokens, stop rows at EOS or max_new_tokens.
+            keep_rows = []
+            counts = num_accepted.tolist()
+            off_target_rows = off_target.tolist() if speculative and count_sd_rejections else None
+            for j, (row_tokens, n) in enumerate(zip(tokens.tolist(), counts)):
+                row = rows[j]
+                new = row_tokens[:n + 1][:max_new_tokens - len(generated[row])]
+                stop = next((i for i, t in enumerate(new) if t in eos_ids), None)
+                if stop is not None:
+                    new = new[:stop + 1]
+                generated[row].extend(new)
+                stats.new_tokens += len(new)
+                stats.verifications += 1
+                kept_drafts = min(n, len(new))  # accepted drafts past EOS / max_new_tokens are cut
+                stats.accepted_drafts += kept_drafts
+                if off_target_rows is not None:
+                    stats.sd_rejected_accepted += sum(off_target_rows[j][:kept_drafts])
+                stats.accepted_histogram[n] += 1
+                if streamer is not None and new:
+                    streamer.put(torch.tensor(new))
+                if stop is None and len(generated[row]) < max_new_tokens:
+                    keep_rows.append(j)
+            draft_behind = speculative and any(counts[j] == k for j in keep_rows)
+            if len(keep_rows) < num_rows:  # finished rows leave the batch (and the caches)
+                keep = torch.tensor(keep_rows, dtype=torch.int64, device=device)  # [B']
+                rows = [rows[j] for j in keep_rows]
+                for cached in models:
+                    cached.select(keep)
+                pending, last_committed, seeds = pending[keep], last_committed[keep], seeds[keep]
+                if isinstance(threshold, torch.Tensor):
+                    threshold = threshold[keep]
 
-    if streamer is not None:
-        streamer.end()
-    width = max(len(g) for g in generated)
-    new_part = torch.full((batch, width), pad_token_id, dtype=torch.int64)  # [B, N]
-    for row, tokens_of_row in enumerate(generated):
-        new_part[row, :len(tokens_of_row)] = torch.tensor(tokens_of_row, dtype=torch.int64)
-    sequences = torch.cat([input_ids.cpu(), new_part], 1).to(device)  # [B, P + N]
+        if streamer is not None:
+            streamer.end()
+        width = max(len(g) for g in generated)
+        new_part = torch.full((batch, width), pad_token_id, dtype=torch.int64)  # [B, N]
+        for row, tokens_of_row in enumerate(generated):
+            new_part[row, :len(tokens_of_row)] = torch.tensor(tokens_of_row, dtype=torch.int64)
+        sequences = torch.cat([input_ids.cpu(), new_part], 1).to(device)  # [B, P + N]
 
-    stats.target_forwards, stats.target_seconds = target_model.calls, target_model.seconds
-    if draft_model is not None:
-        stats.draft_forwards, stats.draft_seconds = draft_model.calls, draft_model.seconds
-    stats.seconds = time.perf_counter() - start
-    return GenerateOutput(sequences, stats)
+        stats.target_forwards, stats.target_seconds = target_model.calls, target_model.seconds
+        if draft_model is not None:
+            stats.draft_forwards, stats.draft_seconds = draft_model.calls, draft_model.seconds
+        stats.seconds = time.perf_counter() - start
+        return GenerateOutput(sequences, stats)

@@ -31,8 +31,6 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from .cpu_linear import use_skinny_cpu_linears
-
 
 @dataclass(frozen=True)
 class WeightSpec:
@@ -212,14 +210,12 @@ def resolve(name_or_path: str) -> str:
 
 def load(name_or_path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
          convert: bool = True, gguf_file: Optional[str] = None,
-         attn_implementation: str = "sdpa", skinny_cpu_linears: bool = True):
+         attn_implementation: str = "sdpa"):
     """-> (model in eval mode, tokenizer) for a built-in name (BUILTIN), an HF directory or hub id,
     or a path to a .gguf file.
 
     gguf_file: load this GGUF file inside the directory `name_or_path` directly. convert=False:
     load a built-in checkpoint from its GGUF every time instead of the converted cache folder.
-    skinny_cpu_linears: on a float32 CPU model, compute few-row linears the faster way
-    (fsd_ext.cpu_linear; same math, float rounding differs from stock F.linear).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -239,10 +235,7 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32, device: str = "c
                                                  **kwargs)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = model.to(device).eval()
-    if skinny_cpu_linears and torch.device(device).type == "cpu" and dtype == torch.float32:
-        use_skinny_cpu_linears(model)
-    return model, tokenizer
+    return model.to(device).eval(), tokenizer
 
 
 def names() -> Sequence[str]:

@@ -37,6 +37,22 @@ def test_gradients_use_the_stock_path():
     torch.testing.assert_close(weight.grad, x.sum(0).expand(8, 4))
 
 
+def test_fast_path_is_taken_without_grad(monkeypatch):
+    """Parameters require grad; under no_grad/inference_mode the fast path must still run."""
+    calls = []
+    real_linear = F.linear
+    monkeypatch.setattr(F, "linear", lambda *a: calls.append(1) or real_linear(*a))
+    weight = torch.nn.Parameter(torch.randn(8, 4))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        skinny_linear(x, weight)
+    with torch.inference_mode():
+        skinny_linear(x, weight)
+    assert calls == []
+    skinny_linear(x, weight)  # grad enabled: the stock path (autograd needs it)
+    assert calls == [1]
+
+
 def test_patch_model_is_reversible():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))

@@ -225,6 +225,23 @@ def test_resume_after_interruption(tmp_path):
     assert frontier.run_sweep(configs, problems, OtherSetup(), reloaded, progress=False) == 6
 
 
+def test_problem_order_interleaves_configurations_and_resumes(tmp_path):
+    problems = PROBLEMS[:3]
+    configs = frontier.build_grid(rules=("ar", "sd"))
+    store = frontier.ResultStore(str(tmp_path / "results.jsonl"))
+    with pytest.raises(KeyboardInterrupt):
+        frontier.run_sweep(configs, problems, FakeBackend(stop_after=3), store, progress=False,
+                           order="problem")
+    backend = FakeBackend()
+    store = frontier.ResultStore(str(tmp_path / "results.jsonl"))
+    assert frontier.run_sweep(configs, problems, backend, store, progress=False,
+                              order="problem") == 3
+    assert backend.calls == [("sd/K=5/greedy", "HumanEval/1"), ("ar/greedy", "HumanEval/2"),
+                             ("sd/K=5/greedy", "HumanEval/2")]
+    with pytest.raises(ValueError, match="order"):
+        frontier.run_sweep(configs, problems, backend, store, progress=False, order="random")
+
+
 def _record(group, task, passed, *, rule="fsd", seed=0, new_tokens=10, seconds=1.0, target_calls=5,
             accepted=0.0, steps=0, sd_rejected=0, divergence="js", threshold=0.3, temperature=0.0):
     fuzzy = rule in ("fsd", "fsd_strict")

@@ -441,3 +441,18 @@ def test_cli_parser():
                                                               "qwen2.5-coder-0.5b", 48)
     with pytest.raises(SystemExit):
         cli.main(["generate", "--target", "t", "--prompt", "hi"])  # sd/fsd need --draft
+
+
+@pytest.mark.parametrize("setting,expect_fast", [("auto", True), (False, False)])
+def test_skinny_cpu_linears_only_during_the_call(target, draft, monkeypatch, setting, expect_fast):
+    from fsd_ext import cpu_linear
+    calls = []
+    real = cpu_linear.skinny_linear
+    monkeypatch.setattr(cpu_linear, "skinny_linear", lambda *a: calls.append(1) or real(*a))
+    ids, mask = random_prompts([4], seed=23)
+    fsd_ext.generate(target, draft, ids, mask, rule="sd", temperature=0.0, num_draft_tokens=2,
+                     max_new_tokens=4, eos_token_id=[], skinny_cpu_linears=setting)
+    assert bool(calls) == expect_fast
+    linears = [m for model in (target, draft) for m in model.modules()
+               if isinstance(m, torch.nn.Linear)]
+    assert linears and all("forward" not in m.__dict__ for m in linears)  # restored
