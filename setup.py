@@ -9,6 +9,7 @@ Build after installing torch: `pip install --no-build-isolation .`
 
 import glob
 import os
+import sys
 
 from setuptools import setup
 from torch.utils import cpp_extension
@@ -34,6 +35,11 @@ def extension():
     cuda_sources = rel("csrc/fsd/cuda/*.cu")  # the torch side of CUDA is csrc/torch/*_cuda.cpp
     cxx_flags = ["-O3", "-std=c++20", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd", "-Wall", "-Wno-unknown-pragmas"]
     link_flags = []
+    if sys.platform.startswith("linux"):
+        # at::parallel_for is inline: without OpenMP in *this* build it runs every range on one
+        # thread. libgomp resolves to the copy torch has already loaded (same soname).
+        cxx_flags.append("-fopenmp")
+        link_flags.append("-fopenmp")
     if os.environ.get("FSD_EXT_SANITIZE") == "1":
         # FSD_NO_CLONES: no x86 target_clones (ifunc resolvers run before ASan is initialised).
         sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",

@@ -2,12 +2,16 @@
 
 Speculative decoding on a CPU is bound by its small matrix products: the target's verification step
 multiplies K+1 rows by every weight matrix, the draft's catch-up step 2 rows. torch's `F.linear`
-computes x @ W^T, and for 2..16 rows its GEMM path costs 2-3x the one-row (GEMV) path although it
-reads the same weights. Computing the same product as (W @ x^T)^T lets the BLAS stream W in its
-stored layout instead, which measured on this project's 2-core CPU (torch 2.13, MKL, float32):
+goes through a BLAS GEMM path that, for 2..16 rows, costs 2-3x the one-row product although it
+reads the same weights. `skinny_linear` calls the extension's `fsd_ext::skinny_linear` CPU kernel
+(csrc/fsd/cpu/skinny_gemm.cpp), which streams each weight row from memory once for all rows of x;
+without the compiled extension it computes (W @ x^T)^T, which lets the BLAS stream W in its stored
+layout. Measured on this project's 2-core CPU (torch 2.13, MKL, float32, 2 threads, median of 10):
 
-    gate_proj 8960x1536, 6 rows:  F.linear 10.8 ms  ->  W @ x^T 6.5 ms   (1 row: 3.4 ms either way)
-    Qwen2.5-Coder-1.5B forward, 6 new tokens: 1180 ms -> 744 ms; 0.5B, 2 tokens: 290 ms -> 156 ms
+    gate_proj 8960x1536    1 row     4 rows    6 rows
+    F.linear               2.62 ms   8.16 ms   8.62 ms
+    (W @ x^T)^T            2.56 ms   3.39 ms   4.41 ms
+    fsd_ext::skinny_linear 1.87 ms   2.45 ms   2.84 ms
 
 Same products, another summation order: results differ from F.linear by float rounding only
 (tests/test_cpu_linear.py). fsd_ext.generate switches it on for its own forwards on the CPU
@@ -22,23 +26,34 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 16  # above this the GEMM path of F.linear is as fast (measured at 16: 7.6 vs 10.6 ms)
+MAX_ROWS = 16  # the kernel's limit (kSkinnyMaxRows); prefill-sized inputs keep F.linear's GEMM
 _ORIGINAL = "_fsd_original_forward"
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x [..., in]; computed as (W @ x^T)^T for few float32 CPU rows."""
+    """F.linear(x, weight, bias) for x [..., in]. For 1..MAX_ROWS float32 CPU rows (and no autograd):
+    the fsd_ext kernel, else (W @ x^T)^T; anything else goes to F.linear."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     if (not 0 < rows <= MAX_ROWS or x.device.type != "cpu" or x.dtype != torch.float32
             or weight.dtype != torch.float32 or needs_grad):
         return F.linear(x, weight, bias)
+    native = _native_op()
+    if native is not None and weight.stride(-1) == 1 and (
+            bias is None or (bias.dtype == torch.float32 and bias.stride(-1) == 1)):
+        return native(x, weight, bias)
     # The BLAS is fast here only with a contiguous x (x^T is then a transposed operand, not a copy).
     x_rows = x.reshape(rows, x.shape[-1]).contiguous()  # [rows, in]
     out = (weight @ x_rows.t()).t().contiguous()  # [rows, out]
     if bias is not None:
         out += bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _native_op():
+    """torch.ops.fsd_ext.skinny_linear, or None when the extension is not built."""
+    from . import ops
+    return torch.ops.fsd_ext.skinny_linear if ops._IMPORT_ERROR is None else None
 
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,10 @@ if _IMPORT_ERROR is None:
     def _uniforms_fake(seed, offset, seed_per_row, rows, positions, purpose):
         return seed.new_empty((rows, positions), dtype=torch.float64)
 
+    @torch.library.register_fake("fsd_ext::skinny_linear")
+    def _skinny_linear_fake(x, weight, bias):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
 
 # ----------------------------------------------------------------------------------------------
 # Argument normalisation.

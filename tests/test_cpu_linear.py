@@ -5,21 +5,71 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fsd_ext import cpu_linear, ops
 from fsd_ext.cpu_linear import MAX_ROWS, skinny_linear, use_skinny_cpu_linears
+
+needs_ext = pytest.mark.skipif(ops._IMPORT_ERROR is not None, reason="extension not built")
+
+
+@pytest.fixture(params=["kernel", "matmul"])
+def path(request, monkeypatch):
+    """Run a test through the compiled kernel and through the (W @ x^T)^T fallback."""
+    if request.param == "kernel" and ops._IMPORT_ERROR is not None:
+        pytest.skip("extension not built")
+    if request.param == "matmul":
+        monkeypatch.setattr(cpu_linear, "_native_op", lambda: None)
+    return request.param
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (6, 64), (1, 6, 64), (2, 3, 64), (MAX_ROWS, 64),
-                                   (MAX_ROWS + 1, 64), (0, 64), (2, 0, 64)])
+                                   (MAX_ROWS + 1, 64), (0, 64), (2, 0, 64), (5, 7), (3, 1)])
+@pytest.mark.parametrize("out", [96, 1, 131])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_f_linear(shape, bias):
+def test_matches_f_linear(path, shape, out, bias):
+    """Odd sizes hit the kernel's tails: in % 8, a lone last weight row, partial row groups."""
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(96, 64, generator=gen)
-    b = torch.randn(96, generator=gen) if bias else None
+    weight = torch.randn(out, shape[-1], generator=gen)
+    b = torch.randn(out, generator=gen) if bias else None
     x = torch.randn(*shape, generator=gen)
     out = skinny_linear(x, weight, b)
     expected = F.linear(x, weight, b)
     assert out.shape == expected.shape and out.is_contiguous()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_ext
+def test_kernel_matches_float64_on_model_sizes():
+    """Every row group (1..16 rows) on a real layer shape, against a float64 product."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(1000, 1536, generator=gen)
+    bias = torch.randn(1000, generator=gen)
+    for rows in range(1, MAX_ROWS + 1):
+        x = torch.randn(rows, 1536, generator=gen)
+        exact = (x.double() @ weight.double().t() + bias.double()).float()
+        torch.testing.assert_close(torch.ops.fsd_ext.skinny_linear(x, weight, bias), exact,
+                                   rtol=1e-4, atol=1e-3)
+
+
+@needs_ext
+@pytest.mark.parametrize("x,weight,bias,match", [
+    (torch.randn(2, 8).double(), torch.randn(4, 8), None, "float32"),
+    (torch.randn(2, 8), torch.randn(8, 4).t(), None, "contiguous rows"),
+    (torch.randn(2, 7), torch.randn(4, 8), None, "match weight"),
+    (torch.randn(17, 8), torch.randn(4, 8), None, "1 to 16 rows"),
+    (torch.randn(0, 8), torch.randn(4, 8), None, "1 to 16 rows"),
+    (torch.randn(2, 8), torch.randn(4, 8), torch.randn(5), "bias must be"),
+    (torch.randn(2, 8), torch.randn(4, 8), torch.randn(4).double(), "bias must be"),
+])
+def test_kernel_rejects_bad_arguments(x, weight, bias, match):
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.fsd_ext.skinny_linear(x, weight, bias)
+
+
+@needs_ext
+def test_kernel_opcheck():
+    torch.library.opcheck(torch.ops.fsd_ext.skinny_linear.default,
+                          (torch.randn(3, 24), torch.randn(10, 24), torch.randn(10)),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
 
 
 def test_non_contiguous_input_and_other_dtypes_fall_through():
@@ -37,7 +87,7 @@ def test_gradients_use_the_stock_path():
     torch.testing.assert_close(weight.grad, x.sum(0).expand(8, 4))
 
 
-def test_fast_path_is_taken_without_grad(monkeypatch):
+def test_fast_path_is_taken_without_grad(monkeypatch, path):
     """Parameters require grad; under no_grad/inference_mode the fast path must still run."""
     calls = []
     real_linear = F.linear

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "fsd/cpu/kernels.h"
+#include "fsd/cpu/skinny_gemm.h"
 #include "torch/problem.h"
 
 // `import fsd_ext._C` loads this library, which registers the ops below.
@@ -101,6 +102,45 @@ Tensor philox_uniforms_cpu(const Tensor& seed, const Tensor& offset, bool seed_p
   return out;
 }
 
+// x [..., in] @ weight[out, in]^T + bias for at most kSkinnyMaxRows rows of x (float32). The
+// weight and bias are read in place (rows of W must be contiguous); x is made contiguous (small).
+Tensor skinny_linear_cpu(const Tensor& x, const Tensor& weight, const OptTensor& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
+              "skinny_linear: x and weight must be float32, got ", x.scalar_type(), " and ",
+              weight.scalar_type());
+  TORCH_CHECK(weight.dim() == 2 && weight.stride(1) == 1 && weight.size(0) >= 1,
+              "skinny_linear: weight must be [out, in] with contiguous rows, got sizes ",
+              weight.sizes(), " strides ", weight.strides());
+  const int64_t in = weight.size(1), out = weight.size(0);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in, "skinny_linear: x must be [..., ", in,
+              "] to match weight [", out, ", ", in, "], got ", x.sizes());
+  const int64_t rows = in > 0 ? x.numel() / in : 0;
+  TORCH_CHECK(rows >= 1 && rows <= fsd::cpu::kSkinnyMaxRows, "skinny_linear: x must hold 1 to ",
+              fsd::cpu::kSkinnyMaxRows, " rows of ", in, " (and in >= 1), got ", x.sizes());
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == out &&
+                    bias->stride(0) == 1,
+                "skinny_linear: bias must be a contiguous float32 [", out, "], got ", bias->sizes());
+  }
+  const Tensor x_rows = x.reshape({rows, in}).contiguous();
+  Tensor y = at::empty({rows, out}, x.options());
+  fsd::cpu::SkinnyGemm problem;
+  problem.x = x_rows.data_ptr<float>();
+  problem.x_stride = in;
+  problem.w = weight.data_ptr<float>();
+  problem.w_stride = weight.stride(0);
+  problem.bias = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  problem.y = y.data_ptr<float>();
+  problem.y_stride = out;
+  problem.rows = rows;
+  problem.in = in;
+  problem.out = out;
+  fsd::cpu::skinny_gemm(problem, torch_parallel_for);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = out;
+  return y.view(shape);
+}
+
 }  // namespace
 }  // namespace fsd_torch
 
@@ -119,6 +159,7 @@ TORCH_LIBRARY(fsd_ext, m) {
   m.def(
       "philox_uniforms(Tensor seed, Tensor offset, bool seed_per_row, int rows, int positions, "
       "int purpose) -> Tensor");
+  m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fsd_ext, CPU, m) {
@@ -126,6 +167,7 @@ TORCH_LIBRARY_IMPL(fsd_ext, CPU, m) {
   m.impl("divergence", &fsd_torch::divergence_cpu);
   m.impl("sample", &fsd_torch::sample_cpu);
   m.impl("philox_uniforms", &fsd_torch::philox_uniforms_cpu);
+  m.impl("skinny_linear", &fsd_torch::skinny_linear_cpu);
 }
 
 // The ops are not differentiable (token ids, flags; the divergences have no backward): a

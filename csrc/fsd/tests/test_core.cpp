@@ -1,4 +1,5 @@
 // Unit tests of the framework-free core against hand-computed values, without torch (ctest).
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -6,6 +7,7 @@
 
 #include "fsd/cpu/kernels.h"
 #include "fsd/cpu/row_ops.h"
+#include "fsd/cpu/skinny_gemm.h"
 #include "fsd/philox.h"
 #include "fsd/rules.h"
 
@@ -155,9 +157,43 @@ void test_accept_end_to_end() {
   EXPECT(std::fabs(divergences[0]) < 1e-6f && std::isnan(divergences[2]));
 }
 
+// Every row count 1..16 (full and partial row groups), odd `in` (the % 8 tail) and odd `out` (a
+// lone last weight row), padded strides, with and without bias, against a double-precision loop;
+// a task-splitting ParallelFor, so out ranges that start mid-matrix are covered.
+void test_skinny_gemm() {
+  const fsd::cpu::ParallelFor chunks_of_3 = [](int64_t count, int64_t, const fsd::cpu::RangeFn& body) {
+    for (int64_t begin = 0; begin < count; begin += 3) body(begin, std::min(count, begin + 3));
+  };
+  for (int64_t in : {1, 8, 13, 40}) {
+    for (int64_t out : {1, 2, 7, 131, 200}) {
+      for (int64_t rows = 1; rows <= fsd::cpu::kSkinnyMaxRows; ++rows) {
+        const int64_t x_stride = in + 3, w_stride = in + 1, y_stride = out + 2;
+        std::vector<float> x(rows * x_stride), w(out * w_stride), bias(out), y(rows * y_stride, -7.0f);
+        for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37 * i);
+        for (size_t i = 0; i < w.size(); ++i) w[i] = std::cos(0.11 * i + 0.5);
+        for (int64_t o = 0; o < out; ++o) bias[o] = 0.25f * o;
+        fsd::cpu::SkinnyGemm g;
+        g.x = x.data(), g.x_stride = x_stride, g.w = w.data(), g.w_stride = w_stride;
+        g.bias = (rows % 2) ? bias.data() : nullptr, g.y = y.data(), g.y_stride = y_stride;
+        g.rows = rows, g.in = in, g.out = out;
+        fsd::cpu::skinny_gemm(g, chunks_of_3);
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t o = 0; o < out; ++o) {
+            double expected = g.bias ? bias[o] : 0.0;
+            for (int64_t i = 0; i < in; ++i) expected += (double)x[r * x_stride + i] * w[o * w_stride + i];
+            EXPECT_NEAR(y[r * y_stride + o], expected, 1e-4 * (1.0 + std::fabs(expected)));
+          }
+          for (int64_t o = out; o < y_stride; ++o) EXPECT(y[r * y_stride + o] == -7.0f);  // padding untouched
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
+  test_skinny_gemm();
   test_philox_known_answer();
   test_uniforms_in_range_and_streams_differ();
   test_fast_exp_and_log();

@@ -1,0 +1,32 @@
+// y = x W^T (+ bias) for a few rows of x: the linear layers of a decoding step on the CPU, where x
+// holds the K+1 tokens the target verifies (or the draft's 1-2 tokens). BLAS GEMM paths pack W for
+// every call and cost 2-3x a single-row product for 2..16 rows; here each weight row is streamed
+// from memory once and multiplied with every row of x while it is in registers, so the product
+// costs about what reading W costs, whatever the number of rows (up to kSkinnyMaxRows).
+#pragma once
+
+#include <cstdint>
+
+#include "fsd/cpu/kernels.h"
+
+namespace fsd {
+namespace cpu {
+
+constexpr int64_t kSkinnyMaxRows = 16;
+
+struct SkinnyGemm {
+  const float* x = nullptr;  // [rows, in]: row r at x + r * x_stride, elements contiguous
+  int64_t x_stride = 0;
+  const float* w = nullptr;  // [out, in]: row o at w + o * w_stride, elements contiguous
+  int64_t w_stride = 0;
+  const float* bias = nullptr;  // [out], or nullptr
+  float* y = nullptr;  // [rows, out]: row r at y + r * y_stride
+  int64_t y_stride = 0;
+  int64_t rows = 0, in = 0, out = 0;  // rows in [1, kSkinnyMaxRows]
+};
+
+// Parallel over blocks of output features (each thread streams its own part of W).
+void skinny_gemm(const SkinnyGemm& problem, const ParallelFor& parallel_for = serial_for);
+
+}  // namespace cpu
+}  // namespace fsd
