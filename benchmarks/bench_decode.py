@@ -8,6 +8,10 @@ median tokens/s (total new tokens / total seconds over the prompts) and the toke
 call (for HF: new tokens / target forwards, counted with a hook). transformers reads the number of
 assistant tokens from the assistant's generation_config, so that is where K is set (hf_assisted);
 hf_assisted_default keeps HF's own choice (K=20 with a confidence-based early stop in 5.x).
+On the CPU fsd_ext.generate computes the models' few-row linears with its own kernel
+(fsd_ext.cpu_linear); hf_assisted+skinny runs HF's assisted generation on models patched with the
+same kernel, so hf_assisted -> hf_assisted+skinny is what the kernel gains and
+hf_assisted+skinny -> sd what the loop gains.
 
     python benchmarks/bench_decode.py --quick                   # offline Qwen2.5-Coder 1.5B / 0.5B
     python benchmarks/bench_decode.py --target T --draft D --max-new-tokens 64 --repeats 5
@@ -33,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fsd_ext  # noqa: E402
 from fsd_ext import models  # noqa: E402
 from fsd_ext.cli import DEMO_PROMPTS, _encode  # noqa: E402
+from fsd_ext.cpu_linear import skinny_cpu_linears  # noqa: E402
 from fsd_ext.generate import check_tokenizers  # noqa: E402
 
 
@@ -96,9 +101,10 @@ def main(argv=None):
     parser.add_argument("--num-draft-tokens", type=int, default=5)
     parser.add_argument("--threshold", type=float, default=0.3)
     parser.add_argument("--divergence", default="js")
-    parser.add_argument("--configs", default="ar,hf_ar,sd,hf_assisted,fsd",
+    parser.add_argument("--configs", default="ar,hf_ar,sd,hf_assisted,hf_assisted+skinny,fsd",
                         help="of ar, sd, fsd, greedy, fsd_strict (ours), hf_ar, hf_assisted (same K), "
-                             "hf_assisted_default (HF's own K schedule)")
+                             "hf_assisted_default (HF's own K schedule); a '+skinny' suffix on an hf_ "
+                             "config runs HF on models patched with our CPU linear kernel")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 can win on a busy machine)")
@@ -121,9 +127,13 @@ def main(argv=None):
         tokens = seconds = calls = 0
         for input_ids in prompts:
             if config.startswith("hf_"):
-                n, s, c = run_hf(target, None if config == "hf_ar" else draft, input_ids,
-                                 None if config == "hf_assisted_default" else args.num_draft_tokens,
-                                 args.max_new_tokens, counter)
+                base = config.removesuffix("+skinny")
+                # "+skinny": HF's loop on models patched with our few-row CPU linear kernel, to
+                # separate what the kernel gains from what the loop gains.
+                with skinny_cpu_linears(target, draft, enabled=config.endswith("+skinny")):
+                    n, s, c = run_hf(target, None if base == "hf_ar" else draft, input_ids,
+                                     None if base == "hf_assisted_default" else args.num_draft_tokens,
+                                     args.max_new_tokens, counter)
             else:
                 n, s, c = run_ours(target, draft, input_ids, config, args)
             tokens, seconds, calls = tokens + n, seconds + s, calls + c
@@ -131,8 +141,8 @@ def main(argv=None):
 
     for config in configs:  # warm-up (first-call allocations, lazy inits)
         if config.startswith("hf_"):
-            run_hf(target, None if config == "hf_ar" else draft, prompts[0], args.num_draft_tokens,
-                   4, counter)
+            run_hf(target, None if config.startswith("hf_ar") else draft, prompts[0],
+                   args.num_draft_tokens, 4, counter)
         else:
             fsd_ext.generate(target, draft, prompts[0], rule=config, temperature=0.0,
                              max_new_tokens=4, num_draft_tokens=args.num_draft_tokens)

@@ -4,8 +4,9 @@ any pair of Hugging Face causal LMs that share a tokenizer.
 One step of speculative decoding, per batch row (DESIGN.md section 2):
 
     1. draft:  K one-token forwards of the draft model, each drawing d_i ~ q_i with fsd_ext.sample
-               (argmax under greedy); after a step where a row accepted all K drafts, the first
-               forward also re-reads the last committed token (see below).
+               (argmax under greedy); after a step where a row accepted all its drafts, the first
+               forward also re-reads the last committed token (see below). When fewer than K+1
+               tokens remain to max_new_tokens for every row, the step drafts only what can be kept.
     2. verify: one forward of the target over [pending, d_0 .. d_{K-1}] -> logits for K+1 positions.
     3. accept: one fsd_ext.accept call -> n accepted drafts plus one correction/bonus token.
     4. commit: each row keeps pending + its n accepted drafts in the target cache by setting its
@@ -395,7 +396,14 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
                 target_model.cache.lengths += 1
             else:
                 # 1. Draft K tokens, one forward each; the first also re-reads the last committed token
-                #    when the draft is one behind (some row accepted all K drafts last step).
+                #    when the draft is one behind (some row accepted all its drafts last step). Near
+                #    max_new_tokens, draft only what the neediest row can still keep (>= 1 draft).
+                #    Row b uses num_draft[b] of them (its own cap), so its tokens do not depend on
+                #    the other rows of the batch.
+                row_caps = [max(1, min(k, max_new_tokens - len(generated[row]) - 1)) for row in rows]
+                k_step = max(row_caps)
+                num_draft = (torch.tensor(row_caps, dtype=torch.int64, device=device)
+                             if min(row_caps) < k_step else None)  # [B] or None (all k_step)
                 if draft_behind:
                     draft_model.cache.lengths.copy_(target_model.cache.lengths - 1)
                     draft_input = torch.stack([last_committed, pending], 1)  # [B, 2]
@@ -403,7 +411,7 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
                     draft_model.cache.lengths.copy_(target_model.cache.lengths)
                     draft_input = pending[:, None]  # [B, 1]
                 draft_logits, drafts = [], []
-                for i in range(k):
+                for i in range(k_step):
                     logits = draft_model(for_draft(draft_input), keep=1)[:, 0].float()  # [B, V_d]
                     draft_model.cache.lengths += draft_input.shape[1]
                     token = _sample(logits, temperature, **sample_args, seed=seeds,
@@ -411,17 +419,17 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
                     draft_logits.append(logits)
                     drafts.append(token)
                     draft_input = token[:, None]  # [B, 1]
-                draft_logits = torch.stack(draft_logits, 1)  # [B, K, V_d]
-                drafts = torch.stack(drafts, 1)  # [B, K]
+                draft_logits = torch.stack(draft_logits, 1)  # [B, k_step, V_d]
+                drafts = torch.stack(drafts, 1)  # [B, k_step]
 
                 # 2. Verify: the target reads pending and the K drafts in one forward.
                 verify_input = torch.cat([pending[:, None], drafts], 1)  # [B, K+1]
-                target_logits = target_model(verify_input, keep=k + 1).float()  # [B, K+1, V_t]
+                target_logits = target_model(verify_input, keep=k_step + 1).float()  # [B, k_step+1, V_t]
 
                 # 3. Accept: one fused call.
                 result = _accept(target_logits, draft_logits, drafts, threshold=threshold,
-                                 **accept_args, seed=seeds, offset=step)
-                tokens = result.tokens.to(device)  # [B, K+1]
+                                 num_draft=num_draft, **accept_args, seed=seeds, offset=step)
+                tokens = result.tokens.to(device)  # [B, k_step+1]
                 num_accepted = result.num_accepted.to(device)  # [B]
                 if not bool(result.valid.all()):
                     bad = [rows[j] for j in (~result.valid).nonzero()[:, 0].tolist()]
@@ -430,7 +438,7 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
                 if output_divergences:
                     stats.divergences.append(result.divergence.cpu())
                 # Greedy: which drafts SD would have rejected ([B, K] bool, read only where accepted).
-                off_target = (target_logits[:, :k].argmax(-1) != drafts) if count_sd_rejections \
+                off_target = (target_logits[:, :k_step].argmax(-1) != drafts) if count_sd_rejections \
                     else None
 
                 # 4. Commit pending + the accepted drafts; the emitted token is the new pending one.
@@ -465,7 +473,8 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
                     streamer.put(torch.tensor(new))
                 if stop is None and len(generated[row]) < max_new_tokens:
                     keep_rows.append(j)
-            draft_behind = speculative and any(counts[j] == k for j in keep_rows)
+            # Only a row that used and accepted all k_step drafts left d_{k_step-1} unread.
+            draft_behind = speculative and any(counts[j] == k_step for j in keep_rows)
             if len(keep_rows) < num_rows:  # finished rows leave the batch (and the caches)
                 keep = torch.tensor(keep_rows, dtype=torch.int64, device=device)  # [B']
                 rows = [rows[j] for j in keep_rows]
