@@ -8,7 +8,7 @@
 // raise without a host sync; the kernel marks such a row invalid (valid=False, tokens -1).
 //
 // Compiled only into CUDA builds (setup.py drops *_cuda.cpp otherwise).
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
@@ -45,7 +45,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> accept_cuda(
   const size_t bytes = fsd::cuda::accept_workspace_bytes(problem);
   const Tensor workspace = at::empty({(int64_t)bytes}, target_logits.options().dtype(at::kByte));
   check_launch(fsd::cuda::launch_accept(problem, workspace.data_ptr(), bytes,
-                                        at::cuda::getCurrentCUDAStream().stream()),
+                                        c10::cuda::getCurrentCUDAStream().stream()),
                "accept");
   return {out.tokens, out.num_accepted, out.valid, out.divergence};
 }
@@ -58,7 +58,7 @@ Tensor divergence_cuda(const Tensor& target_logits, const Tensor& draft_logits, 
   const fsd::DivergenceProblem problem =
       make_divergence_problem(target_logits, draft_logits, kind, temperature, top_k, out);
   TORCH_CHECK(problem.rows < (int64_t(1) << 31), "divergence: too many rows (", problem.rows, ")");
-  check_launch(fsd::cuda::launch_divergence(problem, at::cuda::getCurrentCUDAStream().stream()), "divergence");
+  check_launch(fsd::cuda::launch_divergence(problem, c10::cuda::getCurrentCUDAStream().stream()), "divergence");
   return out;
 }
 
@@ -73,7 +73,7 @@ Tensor sample_cuda(const Tensor& logits, const OptTensor& temperature_t, double 
                                                          offset, out);
   TORCH_CHECK(problem.batch <= 65535, "sample: batch must be <= 65535 on CUDA, got ", problem.batch);
   TORCH_CHECK(problem.positions < (int64_t(1) << 31), "sample: too many positions");
-  check_launch(fsd::cuda::launch_sample(problem, at::cuda::getCurrentCUDAStream().stream()), "sample");
+  check_launch(fsd::cuda::launch_sample(problem, c10::cuda::getCurrentCUDAStream().stream()), "sample");
   return out;
 }
 
@@ -86,7 +86,7 @@ Tensor philox_uniforms_cuda(const Tensor& seed, const Tensor& offset, bool seed_
   Tensor out = at::empty({rows, positions}, seed.options().dtype(at::kDouble));
   check_launch(fsd::cuda::launch_philox_uniforms(key, rows, positions, (fsd::Purpose)purpose,
                                                  out.data_ptr<double>(),
-                                                 at::cuda::getCurrentCUDAStream().stream()),
+                                                 c10::cuda::getCurrentCUDAStream().stream()),
                "philox_uniforms");
   return out;
 }
