@@ -22,6 +22,7 @@ Same products, another summation order: results differ from F.linear by float ro
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +51,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Ten
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+@functools.lru_cache(maxsize=None)
 def _native_op():
-    """torch.ops.fsd_ext.skinny_linear, or None when the extension is not built."""
+    """torch.ops.fsd_ext.skinny_linear, or None when the extension is not built (looked up once:
+    this runs for every linear of every decoding forward)."""
     from . import ops
     return torch.ops.fsd_ext.skinny_linear if ops._IMPORT_ERROR is None else None
 

@@ -466,15 +466,14 @@ def run_sweep(configs: Sequence[Config], problems: Sequence[Dict[str, str]], bac
     sid = setup_id(backend.setup())
     todo = {config.key: [p for p in problems if not store.has(sid, config.key, p["task_id"])]
             for config in configs}
-    if warmup_tokens:  # lazy initialisation, kernel/graph warm-up: not timed
-        for config in configs:
-            if todo[config.key] and (order == "problem" or config is configs[0]):
-                backend.warmup(config, backend.prompt(todo[config.key][0]), warmup_tokens)
+    def warmup(config):  # lazy initialisation, kernel/graph warm-up: not timed
+        if warmup_tokens and todo[config.key]:
+            backend.warmup(config, backend.prompt(todo[config.key][0]), warmup_tokens)
+
     written = 0
     if order == "config":
         for config in configs:
-            if warmup_tokens and config is not configs[0] and todo[config.key]:
-                backend.warmup(config, backend.prompt(todo[config.key][0]), warmup_tokens)
+            warmup(config)
             bar = _progress(len(problems), len(problems) - len(todo[config.key]), config.label,
                             progress)
             passed = 0
@@ -486,6 +485,8 @@ def run_sweep(configs: Sequence[Config], problems: Sequence[Dict[str, str]], bac
                                     f"{record['new_tokens'] / max(record['seconds'], 1e-9):.1f} tok/s")
             bar.close()
         return written
+    for config in configs:
+        warmup(config)
     pending = sum(len(v) for v in todo.values())
     total = len(configs) * len(problems)
     bar = _progress(total, total - pending, "all configurations", progress)
