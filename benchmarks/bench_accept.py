@@ -69,6 +69,15 @@ def reference_step(target, draft, tokens, coins, samples, rule):
                             coin_uniforms=coins, sample_uniforms=samples, compute_dtype=torch.float32)
 
 
+def merge_rows(old, new):
+    """`old` rows updated with `new` ones (same shape, dtype and rule), in a stable order."""
+    def key(row):
+        return row["batch"], row["k"], row["vocab"], row["dtype"], row["rule"]
+    merged = {key(row): row for row in old}
+    merged.update({key(row): row for row in new})
+    return sorted(merged.values(), key=lambda row: (row["vocab"], row["batch"], row["dtype"], RULES.index(row["rule"])))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -77,6 +86,8 @@ def main():
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     parser.add_argument("--quick", action="store_true", help="first shape only, 3 repeats")
+    parser.add_argument("--merge", action="store_true",
+                        help="keep the rows of an existing --json file that this run does not re-measure")
     parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results",
                                                        "bench_accept_cpu.json"))
     args = parser.parse_args()
@@ -114,7 +125,7 @@ def main():
                             if compiled_reference else float("nan"))
                 row = dict(batch=batch, k=k, vocab=vocab, dtype=dtype_name, rule=rule, fused_ms=fused * 1e3,
                            eager_ms=eager * 1e3, compiled_ms=compiled * 1e3,
-                           gb_per_s=logit_bytes / fused / 1e9,
+                           gb_per_s=logit_bytes / fused / 1e9, copy_gb_per_s=copy_bytes_per_s / 1e9,
                            pct_copy=100 * logit_bytes / fused / copy_bytes_per_s,
                            speedup_eager=eager / fused, speedup_compiled=compiled / fused)
                 rows.append(row)
@@ -123,9 +134,10 @@ def main():
                       f"{row['speedup_eager']:>7.1f}x | {row['compiled_ms']:>10.1f} {row['speedup_compiled']:>8.1f}x",
                       flush=True)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(dict(machine=machine, torch=torch.__version__, copy_gb_per_s=copy_bytes_per_s / 1e9,
-                       repeats=repeats, rows=rows), f, indent=1)
+    if args.merge and os.path.exists(args.json):
+        rows = merge_rows(json.load(open(args.json))["rows"], rows)
+    with open(args.json, "w") as f:  # each row carries the copy bandwidth of the run that measured it
+        json.dump(dict(machine=machine, torch=torch.__version__, repeats=repeats, rows=rows), f, indent=1)
     print(f"wrote {args.json}")
 
 
