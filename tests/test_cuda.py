@@ -347,3 +347,70 @@ def test_no_host_sync(fops):
         fops.divergence(target[:, 0], draft[:, 0], "js")
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The staged path (FSD_EXT_CUDA_STAGED=1, sm_90+): thread-block clusters holding each position's
+# vocabulary chunks in shared memory, so the logits are read once. gpu_check.sh also reruns this
+# whole file with the flag set.
+
+@pytest.fixture
+def staged(monkeypatch):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the staged path needs thread-block clusters (sm_90+)")
+    monkeypatch.setenv("FSD_EXT_CUDA_STAGED", "1")
+    return monkeypatch
+
+
+def launched_kernels(fn):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [event.name for event in prof.events()]
+
+
+@pytest.mark.parametrize("dtype,vocab,batch", [(torch.bfloat16, 151936, 1), (torch.bfloat16, 128256, 64),
+                                               (torch.float32, 32001, 8), (torch.float16, 1000, 3)])
+def test_staged_kernel_is_the_one_launched(fops, staged, dtype, vocab, batch):
+    target, draft, tokens, _ = make_case(batch, 5, vocab, dtype=dtype, seed=30)
+    target, draft, tokens = target.cuda(), draft.cuda(), tokens.cuda()
+    names = launched_kernels(lambda: fops.accept(target, draft, tokens, rule="fsd", seed=1))
+    assert any("accept_staged_kernel" in name for name in names), names
+    staged.setenv("FSD_EXT_CUDA_STAGED", "0")
+    names = launched_kernels(lambda: fops.accept(target, draft, tokens, rule="fsd", seed=1))
+    assert not any("accept_staged_kernel" in name for name in names), names
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("case", ["b64_v128256_bf16", "b1_v151936_bf16", "ragged_v32001_f32", "small_v4099_f16"])
+def test_staged_path_agrees_with_reference(fops, staged, rule, case):
+    batch, vocab, draft_vocab, dtype = {
+        "b64_v128256_bf16": (64, 128256, 128256, torch.bfloat16),
+        "b1_v151936_bf16": (1, 151936, 151936, torch.bfloat16),
+        "ragged_v32001_f32": (12, 32001, 32000, torch.float32),
+        "small_v4099_f16": (40, 4099, 3001, torch.float16),
+    }[case]
+    target, draft, tokens, nd = make_case(batch, 5, vocab, draft_vocab, dtype=dtype, seed=31, num_draft=batch > 1)
+    if batch > 4:
+        target[3, 1, 77] = float("nan")  # a NaN row
+        nd[3] = 5
+    kw = dict(rule=rule, divergence="js", threshold=0.3, temperature=0.9, seed=17, num_draft=nd,
+              return_divergence=True)
+    cuda = run_accept(fops, "cuda", target, draft, tokens, **kw)
+    ref = reference.accept(target, draft, tokens, **kw)
+    assert agreement(cuda, ref) >= (0.99 if batch >= 40 else 1.0)
+    torch.testing.assert_close(cuda.divergence, ref.divergence, rtol=1e-5, atol=1e-6, equal_nan=True)
+    if batch > 4:
+        assert not bool(cuda.valid[3])
+    assert int(cuda.tokens.max()) < vocab
+
+
+@pytest.mark.parametrize("rule", ["sd", "fsd"])
+def test_staged_sd_emits_target_distribution(fops, staged, rule):
+    test_sd_emits_target_distribution(fops, rule)
+
+
+def test_staged_graph_capture_and_replay(fops, staged):
+    test_graph_capture_and_replay_fresh_randomness(fops)

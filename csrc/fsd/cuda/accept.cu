@@ -1,5 +1,10 @@
-// Instantiations and host launcher of fsd_ext.accept on CUDA (see accept.cuh).
-#include "fsd/cuda/accept.cuh"
+// Host planner of fsd_ext.accept on CUDA: picks the path (staged, fused, split), the vocabulary
+// chunks and the workspace layout, then hands over to the per-dtype launcher (accept_typed.cuh;
+// the kernels are in accept.cuh).
+#include <cstdlib>
+
+#include "fsd/cuda/accept.cuh"  // workspace records (no kernel is instantiated here)
+#include "fsd/cuda/accept_plan.h"
 #include "fsd/cuda/launch.h"
 #include "fsd/cuda/launch_util.h"
 
@@ -13,11 +18,30 @@ constexpr size_t kAlign = 256;
 
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-struct AcceptPlan {
-  bool filtered = false;
-  int64_t splits = 1, chunk = 0;
-  size_t stats = 0, filters = 0, positions = 0, pass_two = 0, counters = 0, total = 0;
-};
+size_t stage_bytes(DType dtype, int64_t chunk) {
+  switch (dtype) {
+    case DType::Float32: return 2 * stage_region_bytes<float>(chunk);
+    case DType::BFloat16: return 2 * stage_region_bytes<BFloat16>(chunk);
+    case DType::Float16: return 2 * stage_region_bytes<Float16>(chunk);
+  }
+  return 0;
+}
+
+// The staged path has not yet run on a GPU: it is used only when FSD_EXT_CUDA_STAGED=1 (read on
+// every call, so a test or benchmark can switch it) and the device has thread-block clusters.
+bool staged_path_requested() {
+  const char* flag = std::getenv("FSD_EXT_CUDA_STAGED");
+  return flag != nullptr && flag[0] == '1' && flag[1] == '\0' && compute_capability_major() >= 9;
+}
+
+bool staged_fits(DType dtype, int64_t cluster, size_t bytes) {
+  switch (dtype) {
+    case DType::Float32: return staged_cluster_fits<float>(cluster, bytes);
+    case DType::BFloat16: return staged_cluster_fits<BFloat16>(cluster, bytes);
+    case DType::Float16: return staged_cluster_fits<Float16>(cluster, bytes);
+  }
+  return false;
+}
 
 AcceptPlan plan_accept(const AcceptProblem& pb) {
   AcceptPlan plan;
@@ -25,7 +49,24 @@ AcceptPlan plan_accept(const AcceptProblem& pb) {
   plan.filtered = pb.filter.active() ||
                   (pb.need_divergence && pb.div_top_k > 0 && pb.div_top_k < pb.target_vocab);
   plan.splits = 1;
-  if (!plan.filtered) {
+  if (!plan.filtered && staged_path_requested()) {
+    // The smallest cluster whose chunks fit the budget, doubled while the grid leaves SMs idle.
+    const int64_t sms = (int64_t)multiprocessor_count(), blocks = pb.batch * positions;
+    int64_t cluster = 1;
+    auto chunk_of = [&](int64_t n) { return ((pb.target_vocab + n - 1) / n + 63) / 64 * 64; };
+    while (cluster < kMaxCluster && stage_bytes(pb.dtype, chunk_of(cluster)) > kStageBudget) cluster *= 2;
+    while (cluster < kMaxCluster && blocks * cluster < 2 * sms) cluster *= 2;
+    const int64_t chunk = chunk_of(cluster);
+    const int64_t splits = (pb.target_vocab + chunk - 1) / chunk;  // <= cluster
+    const size_t bytes = stage_bytes(pb.dtype, chunk);
+    if (bytes <= kStageBudget && staged_fits(pb.dtype, splits, bytes)) {
+      plan.staged = true;
+      plan.stage_bytes = bytes;
+      plan.splits = splits;
+      plan.chunk = chunk;
+    }
+  }
+  if (!plan.filtered && !plan.staged) {
     // Split the vocabulary when the batch alone leaves SMs idle (the fused kernel runs 2 blocks
     // per SM); then aim for ~4 blocks per SM.
     const int64_t sms = (int64_t)multiprocessor_count();
@@ -36,9 +77,11 @@ AcceptPlan plan_accept(const AcceptProblem& pb) {
       plan.splits = std::max<int64_t>(1, std::min({(want_blocks + blocks - 1) / blocks, by_vocab, kMaxSplits}));
     }
   }
-  const int64_t granule = 2048;
-  plan.chunk = ((pb.target_vocab + plan.splits - 1) / plan.splits + granule - 1) / granule * granule;
-  plan.splits = (pb.target_vocab + plan.chunk - 1) / plan.chunk;
+  if (!plan.staged) {
+    const int64_t granule = 2048;
+    plan.chunk = ((pb.target_vocab + plan.splits - 1) / plan.splits + granule - 1) / granule * granule;
+    plan.splits = (pb.target_vocab + plan.chunk - 1) / plan.chunk;
+  }
   const size_t rows = (size_t)pb.batch, pos = (size_t)positions, splits = (size_t)plan.splits;
   plan.stats = 0;
   plan.filters = plan.stats + align_up(rows * pos * 2 * splits * sizeof(RowStat));
@@ -47,33 +90,6 @@ AcceptPlan plan_accept(const AcceptProblem& pb) {
   plan.counters = plan.pass_two + align_up(rows * pos * splits * sizeof(PassTwo));
   plan.total = plan.counters + align_up(rows * sizeof(uint32_t));
   return plan;
-}
-
-template <typename T>
-cudaError_t launch_typed(const AcceptProblem& pb, const AcceptPlan& plan, char* base, cudaStream_t stream) {
-  AcceptWorkspace ws;
-  ws.chunk_stats = reinterpret_cast<RowStat*>(base + plan.stats);
-  ws.filters = plan.filtered ? reinterpret_cast<FilterInfo*>(base + plan.filters) : nullptr;
-  ws.positions = reinterpret_cast<PositionInfo*>(base + plan.positions);
-  ws.pass_two = reinterpret_cast<PassTwo*>(base + plan.pass_two);
-  ws.counters = reinterpret_cast<uint32_t*>(base + plan.counters);
-  ws.splits = plan.splits;
-  ws.chunk = plan.chunk;
-  const int64_t blocks = pb.batch * (pb.max_draft + 1) * plan.splits;
-  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  const unsigned grid = (unsigned)blocks;
-  if (plan.splits == 1) {  // one fused launch; its row counters start from zero
-    FSD_CUDA_CHECK(cudaMemsetAsync(ws.counters, 0, (size_t)pb.batch * sizeof(uint32_t), stream));
-    if (plan.filtered) accept_stats_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(pb, ws);
-    else accept_stats_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(pb, ws);
-    FSD_CUDA_CHECK(cudaGetLastError());
-  } else {
-    accept_stats_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(pb, ws);
-    FSD_CUDA_CHECK(cudaGetLastError());
-    accept_decide_kernel<T><<<grid, kThreads, 0, stream>>>(pb, ws);
-    FSD_CUDA_CHECK(cudaGetLastError());
-  }
-  return cudaSuccess;
 }
 
 }  // namespace
@@ -87,9 +103,9 @@ cudaError_t launch_accept(const AcceptProblem& problem, void* workspace, size_t 
   if (workspace == nullptr || workspace_bytes < plan.total) return cudaErrorInvalidValue;
   char* base = static_cast<char*>(workspace);
   switch (problem.dtype) {
-    case DType::Float32: return launch_typed<float>(problem, plan, base, stream);
-    case DType::BFloat16: return launch_typed<BFloat16>(problem, plan, base, stream);
-    case DType::Float16: return launch_typed<Float16>(problem, plan, base, stream);
+    case DType::Float32: return launch_accept_typed<float>(problem, plan, base, stream);
+    case DType::BFloat16: return launch_accept_typed<BFloat16>(problem, plan, base, stream);
+    case DType::Float16: return launch_accept_typed<Float16>(problem, plan, base, stream);
   }
   return cudaErrorInvalidValue;
 }

@@ -16,11 +16,16 @@
 // splits == 1 (enough rows): one launch, accept_stats_kernel<..., kFused=true> does both phases
 // per block, pass 2 backwards right after pass 1 (L2 reuse); the launcher zeroes the row counters
 // with a memset first. splits > 1: accept_stats_kernel then accept_decide_kernel.
+// Staged (opt-in, sm_90+, no filters): one launch of accept_staged_kernel, a thread-block cluster
+// per (row, position) whose blocks hold their chunks in shared memory between the two phases, so
+// the logits are read from global memory once.
 //
 // Nothing the size of the vocabulary is written: the workspace holds O(B * K * splits) records.
 // Invalid rows (NaN / no finite logit in a used row, num_draft outside [0, K], a draft id outside
 // [0, V_d)) get tokens -1, num_accepted 0, valid false, divergences NaN.
 #pragma once
+
+#include <cooperative_groups.h>
 
 #include "fsd/cuda/device.cuh"
 #include "fsd/philox.h"
@@ -187,7 +192,7 @@ __device__ __forceinline__ FullStat warp_combine_chunks(const RowStat* chunks, i
   const int lane = threadIdx.x & 31;
   FullStat out{-kInf, INT32_MAX, 0, 0.0, 0.0};
   for (int64_t c = lane; c < splits; c += 32) {  // a lane's chunks ascend: its first max has the lowest id
-    const RowStat s = chunks[c];
+    const RowStat s = load_coherent(chunks + c);
     out.flags |= s.flags;
     if (s.max > out.max) out.max = s.max, out.argmax = s.argmax;
   }
@@ -203,7 +208,7 @@ __device__ __forceinline__ FullStat warp_combine_chunks(const RowStat* chunks, i
   }
   if (out.max == -kInf) return out;
   for (int64_t c = lane; c < splits; c += 32) {
-    const RowStat s = chunks[c];
+    const RowStat s = load_coherent(chunks + c);
     if (s.max == -kInf) continue;
     out.sum_s += (double)s.sum_s * (s.max == out.max ? 1.0 : (double)expf((s.max - out.max) * inv_s));
     out.sum_d += (double)s.sum_d * (s.max == out.max ? 1.0 : (double)expf((s.max - out.max) * inv_d));
@@ -359,7 +364,7 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
     auto chunk_total = [&](int64_t c) -> double {
       if (mode == kModeResidual) return __ldcg(&parts[c].residual);
       if (splits == 1) return info.p.sum;
-      const RowStat s = chunks[c];
+      const RowStat s = load_coherent(chunks + c);
       if (s.max == -kInf) return 0.0;
       return (double)s.sum_s * (s.max == info.p.max ? 1.0 : (double)expf((s.max - info.p.max) * info.p.inv));
     };
@@ -442,10 +447,13 @@ struct DecideShared {
 };
 
 // Pass 2 of one (row, position, chunk) and, in the last block of the row to get there, the row's
-// finish. Every block of the grid calls it exactly once (the counter counts them all).
-template <typename T>
+// finish. Every block of the grid calls it exactly once (the counter counts them all). Pass 2 reads
+// the chunk through `target` / `draft` (indexed by vocabulary id): the logit rows in global memory,
+// or with kShared their copies staged in shared memory.
+template <typename T, bool kShared = false>
 __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const AcceptWorkspace& ws, int64_t c,
-                                                int64_t i, int64_t b, bool reverse, DecideShared& sh) {
+                                                int64_t i, int64_t b, bool reverse, const T* target,
+                                                const T* draft, DecideShared& sh) {
   const int64_t k = pb.max_draft, positions = k + 1, splits = ws.splits;
   const int64_t nd = row_num_draft(pb, b);
   const RowTemps temps = row_temps(pb, b);
@@ -483,8 +491,8 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
       const Dist p = sh.dists[0], q = sh.dists[1], pd = sh.dists[2], qd = sh.dists[3];
       const TopBuckets tb = sh.top;
       with_divergence(pb.divergence, [&](auto tag) {
-        pass_two<decltype(tag)::value>(target_row<T>(pb, b, i), draft_row<T>(pb, b, i), begin, end, pb.draft_vocab,
-                                       pd, qd, p, q, pb.need_divergence, need_residual, tb, reverse, acc);
+        pass_two<decltype(tag)::value, kShared>(target, draft, begin, end, pb.draft_vocab, pd, qd, p, q,
+                                                pb.need_divergence, need_residual, tb, reverse, acc);
       });
       const PassTwo sums = cub::BlockReduce<PassTwo, kThreads>(sh.temp.reduce).Reduce(acc, PassTwoSum());
       if (threadIdx.x == 0) ws.pass_two[(b * positions + i) * splits + c] = sums;
@@ -509,7 +517,7 @@ __global__ void __launch_bounds__(kThreads, 2) accept_decide_kernel(const Accept
   const int64_t positions = pb.max_draft + 1, splits = ws.splits;
   const int64_t c = blockIdx.x % splits, i = (blockIdx.x / splits) % positions, b = blockIdx.x / (splits * positions);
   __shared__ DecideShared sh;
-  decide_position<T>(pb, ws, c, i, b, false, sh);
+  decide_position<T>(pb, ws, c, i, b, false, target_row<T>(pb, b, i), draft_row<T>(pb, b, i), sh);
 }
 
 // First launch: statistics per (row, position, chunk); with splits == 1 also everything else.
@@ -526,8 +534,46 @@ __global__ void __launch_bounds__(kThreads, kFused ? 2 : 4) accept_stats_kernel(
     // last in pass 1 are still in L2.
     __shared__ DecideShared sh;
     __syncthreads();
-    decide_position<T>(pb, ws, c, i, b, true, sh);
+    decide_position<T>(pb, ws, c, i, b, true, target_row<T>(pb, b, i), draft_row<T>(pb, b, i), sh);
   }
+}
+
+// Staged path (sm_90 and newer, no filters; opt-in, see accept.cu): a thread-block cluster of
+// `splits` blocks per (row, position), one vocabulary chunk each. A block copies its chunk of both
+// logit rows into shared memory while it computes the chunk statistics, so the logits are read
+// from global memory once; the cluster barrier publishes every chunk's statistics to the whole
+// position; pass 2 then reads the staged copy. The row finish is the same as on the other paths.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2) accept_staged_kernel(const AcceptProblem pb, const AcceptWorkspace ws) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ uint4 stage[];  // target chunk, then draft chunk (stage_region_bytes each)
+  const int64_t k = pb.max_draft, positions = k + 1, splits = ws.splits;
+  const int64_t c = blockIdx.x % splits, i = (blockIdx.x / splits) % positions, b = blockIdx.x / (splits * positions);
+  const int64_t nd = row_num_draft(pb, b);
+  const int64_t begin = c * ws.chunk, end = min(pb.target_vocab, begin + ws.chunk);
+  const T* target = target_row<T>(pb, b, i);
+  const T* draft = draft_row<T>(pb, b, i);
+  T* staged_target = stage_pointer(stage, target, begin);
+  T* staged_draft = stage_pointer(reinterpret_cast<char*>(stage) + stage_region_bytes<T>(ws.chunk), draft, begin);
+  if (nd >= 0 && nd <= k && i <= nd) {  // the same for every block of the cluster
+    const RowTemps temps = row_temps(pb, b);
+    __shared__ typename StatReduce<T>::TempStorage temp;
+    __shared__ RowStat stat_out;
+    const int64_t slot = (b * positions + i) * 2;
+    const RowStat st_t = block_stage_stat(target, staged_target, begin, end, temps.inv_s, temps.inv_d, temp, stat_out);
+    if (threadIdx.x == 0) ws.chunk_stats[slot * splits + c] = st_t;
+    if (i < nd) {
+      const RowStat st_d = block_stage_stat(draft, staged_draft, begin, min(end, pb.draft_vocab), temps.inv_s,
+                                            temps.inv_d, temp, stat_out);
+      if (threadIdx.x == 0) ws.chunk_stats[(slot + 1) * splits + c] = st_d;
+    }
+  }
+  // Release / acquire at cluster scope: after it every chunk record of this position is visible to
+  // the L2 loads in decide_position.
+  cooperative_groups::this_cluster().sync();
+  __shared__ DecideShared sh;
+  decide_position<T, true>(pb, ws, c, i, b, false, staged_target, staged_draft, sh);
+#endif
 }
 
 }  // namespace cuda

@@ -59,10 +59,9 @@ struct VecWidth {
   static constexpr int value = 16 / sizeof(T);
 };
 
-// N = 16 / sizeof(T) raw values from a 16-byte aligned address.
+// The N = 16 / sizeof(T) raw values packed in one 16-byte word.
 template <typename T>
-__device__ __forceinline__ void load_vec_raw(const T* p, float (&out)[VecWidth<T>::value]) {
-  const uint4 word = __ldg(reinterpret_cast<const uint4*>(p));
+__device__ __forceinline__ void decode_vec(const uint4 word, float (&out)[VecWidth<T>::value]) {
   const uint32_t w[4] = {word.x, word.y, word.z, word.w};
   if constexpr (sizeof(T) == 4) {
 #pragma unroll
@@ -79,12 +78,20 @@ __device__ __forceinline__ void load_vec_raw(const T* p, float (&out)[VecWidth<T
   }
 }
 
+// N raw values from a 16-byte aligned address: global memory through the read-only path, or (with
+// kShared) a row staged in shared memory.
+template <typename T, bool kShared = false>
+__device__ __forceinline__ void load_vec_raw(const T* p, float (&out)[VecWidth<T>::value]) {
+  const uint4* word = reinterpret_cast<const uint4*>(p);
+  decode_vec<T>(kShared ? *word : __ldg(word), out);
+}
+
 template <int N>
 using Width = std::integral_constant<int, N>;
 
 // The block's threads visit ids [begin, end) of `row`: f(id, values, Width<n>) with n raw values at
 // ids id..id+n-1 (n = the vector width in the aligned body, 1 in the head and tail).
-template <typename T, typename F>
+template <typename T, bool kShared = false, typename F>
 __device__ __forceinline__ void block_for_each(const T* __restrict__ row, int64_t begin, int64_t end, F&& f) {
   constexpr int N = VecWidth<T>::value;
   if (end <= begin) return;
@@ -99,7 +106,7 @@ __device__ __forceinline__ void block_for_each(const T* __restrict__ row, int64_
 #pragma unroll 2
   for (int64_t t = threadIdx.x; t < vectors; t += blockDim.x) {
     float v[N];
-    load_vec_raw(row + head_end + t * N, v);
+    load_vec_raw<T, kShared>(row + head_end + t * N, v);
     f(head_end + t * N, v, Width<N>{});
   }
   for (int64_t j = head_end + vectors * N + threadIdx.x; j < end; j += blockDim.x) {
@@ -115,7 +122,7 @@ __device__ __forceinline__ void block_for_each(const T* __restrict__ row, int64_
 // same 16-byte phase.
 // With `reverse` the aligned body is walked from its end (pass 2 right after pass 1: the ids read
 // last are the likeliest still in L2).
-template <typename T, typename F>
+template <typename T, bool kShared = false, typename F>
 __device__ __forceinline__ void block_for_each_pair(const T* __restrict__ target, const T* __restrict__ draft,
                                                     int64_t begin, int64_t end, int64_t draft_end, bool reverse,
                                                     F&& f) {
@@ -136,9 +143,9 @@ __device__ __forceinline__ void block_for_each_pair(const T* __restrict__ target
     for (int64_t t = threadIdx.x; t < vectors; t += blockDim.x) {
       const int64_t j = head_end + (reverse ? vectors - 1 - t : t) * N;
       float a[N], b[N];
-      load_vec_raw(target + j, a);
+      load_vec_raw<T, kShared>(target + j, a);
       if (same_phase) {
-        load_vec_raw(draft + j, b);
+        load_vec_raw<T, kShared>(draft + j, b);
       } else {
 #pragma unroll
         for (int i = 0; i < N; ++i) b[i] = load_raw(draft + j + i);
@@ -153,7 +160,7 @@ __device__ __forceinline__ void block_for_each_pair(const T* __restrict__ target
     }
   }
   if (end > both_end) {
-    block_for_each(target, both_end, end, [&](int64_t j, const float* a, auto width) {
+    block_for_each<T, kShared>(target, both_end, end, [&](int64_t j, const float* a, auto width) {
       float b[N];
 #pragma unroll
       for (int i = 0; i < N; ++i) b[i] = -kInf;
@@ -243,6 +250,71 @@ __device__ __forceinline__ RowStat block_row_stat(const T* __restrict__ row, int
   const RowStat total = StatReduce<T>(temp).Reduce(st, StatMerge{inv_s, inv_d});
   if (threadIdx.x == 0) shared_out = total;
   __syncthreads();
+  const RowStat out = shared_out;
+  __syncthreads();
+  return out;
+}
+
+// Where ids [begin, begin + capacity) of `row` go in a shared-memory region of
+// stage_region_bytes<T>(capacity) bytes: the returned pointer is indexed by vocabulary id
+// (staged[j], j in [begin, end)) and keeps each id's 16-byte phase in global memory, so the
+// head / body / tail split of block_for_each is the same on the copy as on the original.
+template <typename T>
+__host__ __device__ constexpr size_t stage_region_bytes(int64_t capacity) {
+  return ((size_t)capacity * sizeof(T) + 16 + 15) / 16 * 16;
+}
+template <typename T>
+__device__ __forceinline__ T* stage_pointer(void* region, const T* row, int64_t begin) {
+  const int64_t phase = (int64_t)((reinterpret_cast<uintptr_t>(row + begin) % 16) / sizeof(T));
+  return static_cast<T*>(region) + phase - begin;
+}
+
+// block_row_stat that also copies ids [begin, end) of `row` into `staged` (stage_pointer), so a
+// later pass reads shared memory instead of global memory. kUnroll 16-byte loads per thread are in
+// flight before the first one is used.
+template <typename T>
+__device__ __forceinline__ RowStat block_stage_stat(const T* __restrict__ row, T* __restrict__ staged, int64_t begin,
+                                                    int64_t end, float inv_s, float inv_d,
+                                                    typename StatReduce<T>::TempStorage& temp, RowStat& shared_out) {
+  constexpr int N = VecWidth<T>::value, kUnroll = 8;
+  RowStat st = empty_stat();
+  const bool same_inv = inv_s == inv_d;
+  auto scalar = [&](int64_t j) {
+    const T raw = row[j];
+    staged[j] = raw;
+    const float v = raw_to_float(raw);
+    stat_add<1>(st, j, &v, 1, inv_s, inv_d, same_inv);
+  };
+  if (end > begin) {
+    const int64_t misalign = (int64_t)((reinterpret_cast<uintptr_t>(row + begin) % 16) / sizeof(T));
+    const int64_t head_end = misalign ? min(end, begin + (N - misalign)) : begin;
+    for (int64_t j = begin + threadIdx.x; j < head_end; j += blockDim.x) scalar(j);
+    const int64_t vectors = (end - head_end) / N;
+    const uint4* src = reinterpret_cast<const uint4*>(row + head_end);
+    uint4* dst = reinterpret_cast<uint4*>(staged + head_end);
+    for (int64_t first = threadIdx.x; first < vectors; first += (int64_t)kUnroll * blockDim.x) {
+      uint4 words[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t t = first + (int64_t)u * blockDim.x;
+        if (t < vectors) words[u] = __ldg(src + t);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t t = first + (int64_t)u * blockDim.x;
+        if (t < vectors) {
+          dst[t] = words[u];
+          float v[N];
+          decode_vec<T>(words[u], v);
+          stat_add<N>(st, head_end + t * N, v, N, inv_s, inv_d, same_inv);
+        }
+      }
+    }
+    for (int64_t j = head_end + vectors * N + threadIdx.x; j < end; j += blockDim.x) scalar(j);
+  }
+  const RowStat total = StatReduce<T>(temp).Reduce(st, StatMerge{inv_s, inv_d});
+  if (threadIdx.x == 0) shared_out = total;
+  __syncthreads();  // also: the staged copy is complete for every thread
   const RowStat out = shared_out;
   __syncthreads();
   return out;
@@ -602,7 +674,7 @@ __device__ __forceinline__ uint32_t rank_key(const Dist& d, float z, int64_t id)
 
 // Accumulates pass 2 over [begin, end) of one position into a thread's PassTwo.
 //   p, q: sampling distributions (residual); pd, qd: the distributions the divergence compares.
-template <Divergence D, typename T>
+template <Divergence D, bool kShared = false, typename T>
 __device__ __forceinline__ void pass_two(const T* __restrict__ target, const T* __restrict__ draft, int64_t begin,
                                          int64_t end, int64_t draft_vocab, const Dist& pd, const Dist& qd,
                                          const Dist& p, const Dist& q, bool need_div, bool need_residual,
@@ -613,7 +685,7 @@ __device__ __forceinline__ void pass_two(const T* __restrict__ target, const T* 
                             pd.log_sum == p.log_sum && qd.log_sum == q.log_sum;
   float div = 0.0f, rest_p = 0.0f, rest_q = 0.0f, residual = 0.0f;
   int count = 0;
-  block_for_each_pair(target, draft, begin, end, draft_vocab, reverse, [&](int64_t j, const float* a, const float* b, auto width) {
+  block_for_each_pair<T, kShared>(target, draft, begin, end, draft_vocab, reverse, [&](int64_t j, const float* a, const float* b, auto width) {
     constexpr int N = decltype(width)::value;
 #pragma unroll
     for (int i = 0; i < N; ++i) {

@@ -1,4 +1,5 @@
-// Host-side helpers shared by the CUDA launchers: the error-check macro and the SM count.
+// Host-side helpers shared by the CUDA launchers: the error-check macro, the SM count and the
+// compute capability.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,6 +31,19 @@ inline int multiprocessor_count() {
     cached[device] = count;
   }
   return cached[device];
+}
+
+// Major compute capability of the current device (queried once per device; 0 when unknown).
+inline int compute_capability_major() {
+  static int cached[64] = {0};
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
+  if (cached[device] == 0) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) major = -1;
+    cached[device] = major;
+  }
+  return cached[device] > 0 ? cached[device] : 0;
 }
 
 }  // namespace cuda

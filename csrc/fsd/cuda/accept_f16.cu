@@ -1,0 +1,11 @@
+// fsd_ext.accept on CUDA for float16 logits (see accept_typed.cuh).
+#include "fsd/cuda/accept_typed.cuh"
+
+namespace fsd {
+namespace cuda {
+
+template cudaError_t launch_accept_typed<Float16>(const AcceptProblem&, const AcceptPlan&, char*, cudaStream_t);
+template bool staged_cluster_fits<Float16>(int64_t, size_t);
+
+}  // namespace cuda
+}  // namespace fsd

@@ -1,0 +1,42 @@
+// What the host planner of fsd_ext.accept (accept.cu) shares with the per-dtype launchers
+// (accept_float.cu, accept_bf16.cu, accept_f16.cu: one translation unit per logits dtype, so the
+// three compile in parallel).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "fsd/common.h"
+#include "fsd/cuda/device.cuh"
+
+namespace fsd {
+namespace cuda {
+
+// Staged path: a cluster of at most 16 blocks per (row, position) (above 8, the portable size, only
+// where the device allows it), each holding its chunk of both rows in at most kStageBudget bytes
+// of shared memory (two blocks per SM).
+constexpr int64_t kMaxCluster = 16;
+constexpr size_t kStageBudget = 100 * 1024;
+
+// How one accept call is laid out: the path, the vocabulary chunks and the workspace offsets.
+struct AcceptPlan {
+  bool filtered = false;
+  bool staged = false;
+  size_t stage_bytes = 0;  // dynamic shared memory per block of the staged kernel
+  int64_t splits = 1, chunk = 0;
+  size_t stats = 0, filters = 0, positions = 0, pass_two = 0, counters = 0, total = 0;
+};
+
+// Enqueues the kernels of `plan` for logits of type T (workspace at `base`).
+template <typename T>
+cudaError_t launch_accept_typed(const AcceptProblem& pb, const AcceptPlan& plan, char* base, cudaStream_t stream);
+
+// Whether a cluster of `cluster` staged blocks with `bytes` of dynamic shared memory each can be
+// resident on the current device (cached per device, cluster size and size).
+template <typename T>
+bool staged_cluster_fits(int64_t cluster, size_t bytes);
+
+}  // namespace cuda
+}  // namespace fsd

@@ -1,0 +1,95 @@
+// The per-dtype half of fsd_ext.accept's host launcher: kernel launches and the staged path's
+// occupancy query. Included once per logits dtype (accept_float.cu, accept_bf16.cu,
+// accept_f16.cu), which instantiate it.
+#pragma once
+
+#include "fsd/cuda/accept.cuh"
+#include "fsd/cuda/accept_plan.h"
+#include "fsd/cuda/launch_util.h"
+
+namespace fsd {
+namespace cuda {
+
+// Launch configuration of the staged kernel: clusters of `cluster` blocks along x.
+inline cudaLaunchConfig_t staged_config(unsigned grid, int64_t cluster, size_t bytes, cudaStream_t stream,
+                                        cudaLaunchAttribute* attribute) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = bytes;
+  config.stream = stream;
+  attribute->id = cudaLaunchAttributeClusterDimension;
+  attribute->val.clusterDim.x = (unsigned)cluster;
+  attribute->val.clusterDim.y = 1;
+  attribute->val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return config;
+}
+
+// Whether a cluster of `cluster` blocks with `bytes` of staged shared memory each can be resident
+// on the current device (asked once per device, dtype, cluster size and size).
+template <typename T>
+bool staged_cluster_fits(int64_t cluster, size_t bytes) {
+  struct Entry { int device = -1; int64_t cluster = 0; size_t bytes = 0; bool fits = false; };
+  static thread_local Entry cache[8];
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  for (const Entry& e : cache)
+    if (e.device == device && e.cluster == cluster && e.bytes == bytes) return e.fits;
+  // The kernel body exists only in code compiled for sm_90 or newer (not in, say, sm_80 PTX that the
+  // driver compiled for this device).
+  cudaFuncAttributes attributes;
+  bool fits = cudaFuncGetAttributes(&attributes, accept_staged_kernel<T>) == cudaSuccess &&
+              attributes.ptxVersion >= 90 && attributes.binaryVersion >= 90 &&
+              cudaFuncSetAttribute(accept_staged_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   (int)kStageBudget) == cudaSuccess &&
+              (cluster <= 8 || cudaFuncSetAttribute(accept_staged_kernel<T>,
+                                                    cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess);
+  if (fits) {
+    cudaLaunchAttribute attribute;
+    const cudaLaunchConfig_t config = staged_config((unsigned)cluster, cluster, bytes, nullptr, &attribute);
+    int clusters = 0;
+    fits = cudaOccupancyMaxActiveClusters(&clusters, accept_staged_kernel<T>, &config) == cudaSuccess && clusters > 0;
+  }
+  (void)cudaGetLastError();  // a failed query leaves no sticky error behind
+  static thread_local int next = 0;
+  cache[next] = Entry{device, cluster, bytes, fits};
+  next = (next + 1) % 8;
+  return fits;
+}
+
+template <typename T>
+cudaError_t launch_accept_typed(const AcceptProblem& pb, const AcceptPlan& plan, char* base, cudaStream_t stream) {
+  AcceptWorkspace ws;
+  ws.chunk_stats = reinterpret_cast<RowStat*>(base + plan.stats);
+  ws.filters = plan.filtered ? reinterpret_cast<FilterInfo*>(base + plan.filters) : nullptr;
+  ws.positions = reinterpret_cast<PositionInfo*>(base + plan.positions);
+  ws.pass_two = reinterpret_cast<PassTwo*>(base + plan.pass_two);
+  ws.counters = reinterpret_cast<uint32_t*>(base + plan.counters);
+  ws.splits = plan.splits;
+  ws.chunk = plan.chunk;
+  const int64_t blocks = pb.batch * (pb.max_draft + 1) * plan.splits;
+  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+  const unsigned grid = (unsigned)blocks;
+  if (plan.staged) {  // one launch; its row counters start from zero
+    FSD_CUDA_CHECK(cudaMemsetAsync(ws.counters, 0, (size_t)pb.batch * sizeof(uint32_t), stream));
+    cudaLaunchAttribute attribute;
+    const cudaLaunchConfig_t config = staged_config(grid, plan.splits, plan.stage_bytes, stream, &attribute);
+    FSD_CUDA_CHECK(cudaLaunchKernelEx(&config, accept_staged_kernel<T>, pb, ws));
+  } else if (plan.splits == 1) {  // one fused launch; its row counters start from zero
+    FSD_CUDA_CHECK(cudaMemsetAsync(ws.counters, 0, (size_t)pb.batch * sizeof(uint32_t), stream));
+    if (plan.filtered) accept_stats_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(pb, ws);
+    else accept_stats_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(pb, ws);
+    FSD_CUDA_CHECK(cudaGetLastError());
+  } else {
+    accept_stats_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(pb, ws);
+    FSD_CUDA_CHECK(cudaGetLastError());
+    accept_decide_kernel<T><<<grid, kThreads, 0, stream>>>(pb, ws);
+    FSD_CUDA_CHECK(cudaGetLastError());
+  }
+  return cudaSuccess;
+}
+
+}  // namespace cuda
+}  // namespace fsd
