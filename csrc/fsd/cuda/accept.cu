@@ -50,20 +50,24 @@ AcceptPlan plan_accept(const AcceptProblem& pb) {
                   (pb.need_divergence && pb.div_top_k > 0 && pb.div_top_k < pb.target_vocab);
   plan.splits = 1;
   if (!plan.filtered && staged_path_requested()) {
-    // The smallest cluster whose chunks fit the budget, doubled while the grid leaves SMs idle.
+    // The smallest cluster whose chunks fit the budget, doubled while the grid leaves SMs idle;
+    // halved again while the device cannot hold such a cluster (16 blocks are not portable).
     const int64_t sms = (int64_t)multiprocessor_count(), blocks = pb.batch * positions;
-    int64_t cluster = 1;
     auto chunk_of = [&](int64_t n) { return ((pb.target_vocab + n - 1) / n + 63) / 64 * 64; };
-    while (cluster < kMaxCluster && stage_bytes(pb.dtype, chunk_of(cluster)) > kStageBudget) cluster *= 2;
+    int64_t smallest = 1;
+    while (smallest < kMaxCluster && stage_bytes(pb.dtype, chunk_of(smallest)) > kStageBudget) smallest *= 2;
+    int64_t cluster = smallest;
     while (cluster < kMaxCluster && blocks * cluster < 2 * sms) cluster *= 2;
-    const int64_t chunk = chunk_of(cluster);
-    const int64_t splits = (pb.target_vocab + chunk - 1) / chunk;  // <= cluster
-    const size_t bytes = stage_bytes(pb.dtype, chunk);
-    if (bytes <= kStageBudget && staged_fits(pb.dtype, splits, bytes)) {
-      plan.staged = true;
-      plan.stage_bytes = bytes;
-      plan.splits = splits;
-      plan.chunk = chunk;
+    for (; cluster >= smallest && !plan.staged; cluster /= 2) {
+      const int64_t chunk = chunk_of(cluster);
+      const int64_t splits = (pb.target_vocab + chunk - 1) / chunk;  // <= cluster
+      const size_t bytes = stage_bytes(pb.dtype, chunk);
+      if (bytes <= kStageBudget && staged_fits(pb.dtype, splits, bytes)) {
+        plan.staged = true;
+        plan.stage_bytes = bytes;
+        plan.splits = splits;
+        plan.chunk = chunk;
+      }
     }
   }
   if (!plan.filtered && !plan.staged) {
