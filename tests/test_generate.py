@@ -1,6 +1,8 @@
 """The decoding loop (fsd_ext.generate) on tiny randomly initialised Llama models (CPU, fast), and on
 real weights when run with --runslow."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -325,6 +327,48 @@ def test_smaller_draft_vocabulary(target):
                               eos_token_id=[])
     assert torch.equal(greedy.sequences, expected.sequences)
     assert out.sequences.shape == (2, ids.shape[1] + 24)
+
+
+# ----------------------------------------------------------------------------------------------
+# The CUDA-graph path's logic, emulated on the CPU (tests/test_cuda.py captures real graphs).
+
+class ReplayByCall:
+    """Stands in for _CudaGraphForward: keeps the static input buffer and "replays" by calling the
+    forward on it again, as a captured graph would read the buffer and the live cache."""
+
+    made = []
+
+    def __init__(self, forward, input_ids, keep):
+        self.forward, self.keep = forward, keep
+        self.input_ids = input_ids.clone()  # [B, S] static input buffer
+        ReplayByCall.made.append((input_ids.shape[0], input_ids.shape[1], keep))
+
+    def __call__(self, input_ids):
+        self.input_ids.copy_(input_ids)
+        return self.forward(self.input_ids, self.keep).clone()
+
+
+@pytest.mark.parametrize("rule,temperature", [("ar", 0.0), ("greedy", 0.0), ("sd", 1.0), ("fsd", 0.8)])
+def test_graph_shaped_path_matches_eager_on_cpu(target, draft, monkeypatch, rule, temperature):
+    """With graphs on, every decode forward attends over the whole static cache (fixed shapes) and
+    goes through a per-shape replay object; the tokens must not change."""
+    gen = importlib.import_module("fsd_ext.generate")  # the module (fsd_ext.generate is the function)
+    ids, mask = random_prompts([5, 12, 2], seed=40)
+    seeds = torch.tensor([5, 6, 7])
+    kwargs = dict(rule=rule, temperature=temperature, threshold=0.3, num_draft_tokens=3, max_new_tokens=14,
+                  seed=seeds, eos_token_id=[])
+    eager = fsd_ext.generate(target, draft, ids, mask, **kwargs)
+    ReplayByCall.made = []
+    monkeypatch.setattr(gen, "_CudaGraphForward", ReplayByCall)
+    init = gen._CachedModel.__init__
+    monkeypatch.setattr(gen._CachedModel, "__init__",
+                        lambda self, model, pad, capacity, use_graphs: init(self, model, pad, capacity, True))
+    graphed = fsd_ext.generate(target, draft, ids, mask, **kwargs)
+    assert graphed.sequences.tolist() == eager.sequences.tolist()
+    assert ReplayByCall.made, "no forward went through the graph path"
+    # One replay object per (batch, tokens, kept logits) shape, not one per step.
+    assert len(ReplayByCall.made) == len(set(ReplayByCall.made))
+    assert graphed.stats.target_forwards == eager.stats.target_forwards
 
 
 # ----------------------------------------------------------------------------------------------
