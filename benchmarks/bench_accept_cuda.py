@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -83,11 +84,31 @@ def torch_step(target, draft, tokens, coins, uniforms, threshold: float):
     return n_acc, pick, js
 
 
+def launcher_path(call) -> str:
+    """The path the CUDA launcher took for call() (it logs it on stderr with FSD_EXT_CUDA_LOG=1)."""
+    with tempfile.TemporaryFile() as log:
+        saved = os.dup(2)
+        os.environ["FSD_EXT_CUDA_LOG"] = "1"
+        os.dup2(log.fileno(), 2)
+        try:
+            call()
+            torch.cuda.synchronize()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            del os.environ["FSD_EXT_CUDA_LOG"]
+        log.seek(0)
+        lines = [line for line in log.read().decode().splitlines() if "fsd_ext.accept cuda:" in line]
+    return lines[-1].split("path=")[1].split()[0] if lines else "?"
+
+
 def time_accept(target, draft, tokens, kw, staged: bool):
-    """(eager us, CUDA-graph replay us) of one accept call on the default or the staged path."""
+    """(eager us, CUDA-graph replay us, launcher path) of one accept call with the staged path
+    requested or not."""
     previous = os.environ.get("FSD_EXT_CUDA_STAGED")
     os.environ["FSD_EXT_CUDA_STAGED"] = "1" if staged else "0"  # read by the launcher on every call
     try:
+        path = launcher_path(lambda: ops.accept(target, draft, tokens, **kw))
         eager_us = cuda_time_us(lambda: ops.accept(target, draft, tokens, **kw), iters=20)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -103,7 +124,7 @@ def time_accept(target, draft, tokens, kw, staged: bool):
             os.environ.pop("FSD_EXT_CUDA_STAGED", None)
         else:
             os.environ["FSD_EXT_CUDA_STAGED"] = previous
-    return eager_us, graph_us
+    return eager_us, graph_us, path
 
 
 def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, compile_budget_s, deadline, staged):
@@ -117,10 +138,10 @@ def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, compile_budget_s,
     kw.update(extra)
     logits_bytes = (target.numel() + draft.numel()) * target.element_size()
 
-    eager_us, graph_us = time_accept(target, draft, tokens, kw, staged=False)
-    staged_eager_us = staged_graph_us = None
+    eager_us, graph_us, path = time_accept(target, draft, tokens, kw, staged=False)
+    staged_eager_us = staged_graph_us = staged_path = None
     if staged:
-        staged_eager_us, staged_graph_us = time_accept(target, draft, tokens, kw, staged=True)
+        staged_eager_us, staged_graph_us, staged_path = time_accept(target, draft, tokens, kw, staged=True)
 
     coins = torch.rand(batch, k, device="cuda", generator=g)
     uniforms = torch.rand(batch, device="cuda", generator=g)
@@ -142,7 +163,8 @@ def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, compile_budget_s,
     gbs = logits_bytes / (best_us * 1e-6) / 1e9
     return {
         "shape": name, "batch": batch, "k": k, "vocab": vocab, "dtype": str(dtype).replace("torch.", ""),
-        "logits_bytes": logits_bytes, "eager_us": eager_us, "graph_us": graph_us,
+        "logits_bytes": logits_bytes, "path": path, "eager_us": eager_us, "graph_us": graph_us,
+        "staged_request_path": staged_path,
         "staged_eager_us": staged_eager_us, "staged_graph_us": staged_graph_us,
         "staged_pct_copy_bw": (100.0 * logits_bytes / (min(staged_eager_us, staged_graph_us) * 1e-6) / 1e9 / copy_gbs
                                if staged_eager_us else None),
@@ -152,6 +174,32 @@ def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, compile_budget_s,
         "speedup_vs_eager": ref_us / best_us,
         "speedup_vs_compile": (compiled_us / best_us) if compiled_us else None,
     }
+
+
+def summarize(results):
+    """(markdown table, {target: met}) of bench_shape results (SHAPES order)."""
+    def fmt(x, spec=".1f"):  # None (not measured) -> "n/a"; spec ".0f%" appends a percent sign
+        if x is None:
+            return "n/a"
+        return format(x, spec[:-1]) + "%" if spec.endswith("%") else format(x, spec)
+
+    header = ("| shape | path | eager us | graph us | staged eager us | staged graph us | GB/s (best) | % copy BW "
+              "(default / staged) | torch eager us | torch.compile us | x eager | x compile |")
+    lines = [header, "|" + "---|" * 12]
+    for r in results:
+        paths = r["path"] + (f" / {r['staged_request_path']}" if r["staged_request_path"] else "")
+        lines.append(f"| {r['shape']} | {paths} | {r['eager_us']:.1f} | {r['graph_us']:.1f} | "
+                     f"{fmt(r['staged_eager_us'])} | {fmt(r['staged_graph_us'])} | {r['gbs']:.0f} | "
+                     f"{r['default_pct_copy_bw']:.0f}% / {fmt(r['staged_pct_copy_bw'], '.0f%')} | "
+                     f"{r['torch_eager_us']:.1f} | {fmt(r['torch_compile_us'])} | {r['speedup_vs_eager']:.1f} | "
+                     f"{fmt(r['speedup_vs_compile'])} |")
+    graph_us = [t for t in (results[2]["graph_us"], results[2]["staged_graph_us"]) if t is not None]
+    targets = {
+        "B64 bf16 >= 80% copy BW": results[0]["pct_copy_bw"] >= 80.0,
+        "B1 V151936 graph <= 10 us": min(graph_us) <= 10.0,
+        ">= 5x eager everywhere": all(r["speedup_vs_eager"] >= 5.0 for r in results),
+    }
+    return "\n".join(lines), targets
 
 
 def main():
@@ -172,26 +220,11 @@ def main():
         results.append(bench_shape(*shape, copy_gbs, args.compile_budget_s, deadline, staged))
         r = results[-1]
         print(f"  done {r['shape']}: best {r['best_us']:.1f} us", flush=True)
-    fmt = lambda x, spec=".1f": format(x, spec) if x is not None else "n/a"  # noqa: E731
-    header = ("| shape | eager us | graph us | staged eager us | staged graph us | GB/s (best) | % copy BW "
-              "(default / staged) | torch eager us | torch.compile us | x eager | x compile |")
-    lines = [header, "|" + "---|" * 11]
-    for r in results:
-        lines.append(f"| {r['shape']} | {r['eager_us']:.1f} | {r['graph_us']:.1f} | {fmt(r['staged_eager_us'])} | "
-                     f"{fmt(r['staged_graph_us'])} | {r['gbs']:.0f} | {r['default_pct_copy_bw']:.0f}% / "
-                     f"{fmt(r['staged_pct_copy_bw'], '.0f')}% | {r['torch_eager_us']:.1f} | "
-                     f"{fmt(r['torch_compile_us'])} | {r['speedup_vs_eager']:.1f} | {fmt(r['speedup_vs_compile'])} |")
-    table = "\n".join(lines)
+    table, targets = summarize(results)
     print()
     print(f"D2D copy bandwidth (read + write): {copy_gbs:.0f} GB/s; GB/s = logits bytes / best time "
           "(either path, eager or graph)")
     print(table)
-    targets = {
-        "B64 bf16 >= 80% copy BW": results[0]["pct_copy_bw"] >= 80.0,
-        "B1 V151936 graph <= 10 us": min(t for t in (results[2]["graph_us"], results[2]["staged_graph_us"])
-                                         if t is not None) <= 10.0,
-        ">= 5x eager everywhere": all(r["speedup_vs_eager"] >= 5.0 for r in results),
-    }
     for name, ok in targets.items():
         print(f"target {name}: {'MET' if ok else 'NOT MET'}")
     if args.out:

@@ -74,3 +74,25 @@ def test_cuda_compile_script(tmp_path):
                             text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "no spills" in result.stdout
+
+
+def test_gpu_benchmark_summary_table():
+    """benchmarks/bench_accept_cuda.py's table and target verdicts (its GPU part cannot run here)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_accept_cuda", ROOT / "benchmarks" / "bench_accept_cuda.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    row = dict(shape="B64", path="fused", staged_request_path="staged", eager_us=50.0, graph_us=48.0,
+               staged_eager_us=40.0, staged_graph_us=9.0, gbs=4000.0, default_pct_copy_bw=60.0,
+               staged_pct_copy_bw=80.0, pct_copy_bw=80.0, torch_eager_us=900.0, torch_compile_us=None,
+               speedup_vs_eager=22.5, speedup_vs_compile=None)
+    unstaged = dict(row, staged_request_path=None, staged_eager_us=None, staged_graph_us=None,
+                    staged_pct_copy_bw=None, pct_copy_bw=60.0, speedup_vs_eager=4.0)
+    table, targets = bench.summarize([row, row, row])
+    assert "| B64 | fused / staged | 50.0 | 48.0 | 40.0 | 9.0 | 4000 | 60% / 80% |" in table
+    assert all(targets.values())
+    table, targets = bench.summarize([unstaged, row, unstaged])
+    assert "60% / n/a" in table
+    assert targets == {"B64 bf16 >= 80% copy BW": False, "B1 V151936 graph <= 10 us": False,
+                       ">= 5x eager everywhere": False}

@@ -1,6 +1,7 @@
 // Host planner of fsd_ext.accept on CUDA: picks the path (staged, fused, split), the vocabulary
 // chunks and the workspace layout, then hands over to the per-dtype launcher (accept_typed.cuh;
 // the kernels are in accept.cuh).
+#include <cstdio>
 #include <cstdlib>
 
 #include "fsd/cuda/accept.cuh"  // workspace records (no kernel is instantiated here)
@@ -105,6 +106,12 @@ cudaError_t launch_accept(const AcceptProblem& problem, void* workspace, size_t 
   if (problem.batch == 0) return cudaSuccess;
   const AcceptPlan plan = plan_accept(problem);
   if (workspace == nullptr || workspace_bytes < plan.total) return cudaErrorInvalidValue;
+  if (const char* log = std::getenv("FSD_EXT_CUDA_LOG"); log != nullptr && log[0] == '1') {
+    // Which path a call takes (tests and benchmarks check it without a profiler).
+    const char* path = plan.staged ? "staged" : plan.splits > 1 ? "split" : plan.filtered ? "fused-filtered" : "fused";
+    std::fprintf(stderr, "fsd_ext.accept cuda: path=%s splits=%lld chunk=%lld stage_bytes=%zu\n", path,
+                 (long long)plan.splits, (long long)plan.chunk, plan.stage_bytes);
+  }
   char* base = static_cast<char*>(workspace);
   switch (problem.dtype) {
     case DType::Float32: return launch_accept_typed<float>(problem, plan, base, stream);

@@ -244,6 +244,19 @@ __device__ __forceinline__ Dist divergence_dist(const FullStat& s, const RowTemp
   return softmax_dist(s.max, t.inv_d, -kInf, s.sum_d);
 }
 
+// The acceptance decision of draft position i of row b (rules.h) from its sampling distributions p,
+// q, the target's argmax and the divergence; the draft id must be inside the draft vocabulary.
+// finish_row and decide_position (sd: decided before pass 2) share it, so they always agree.
+template <typename T>
+__device__ __forceinline__ bool position_accepts(const AcceptProblem& pb, int64_t b, int64_t i, const Dist& p,
+                                                 const Dist& q, int32_t argmax_t, float divergence) {
+  const int64_t token = draft_token(pb, b, i);
+  const double p_token = exp(p.log_prob_precise(load_logit(target_row<T>(pb, b, i) + token), token));
+  const double q_token = exp(q.log_prob_precise(load_logit(draft_row<T>(pb, b, i) + token), token));
+  const double coin = draw_uniform(pb.key, b, i, Purpose::Accept);
+  return accept_draft(pb.rule, divergence, pb.threshold.at(b), coin, p_token, q_token, token == argmax_t);
+}
+
 enum SampleMode : int32_t { kModeDone = 0, kModeTarget = 1, kModeResidual = 2 };
 
 struct FinalShared {
@@ -308,20 +321,13 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
 
   // 3. Acceptance scan: every used position's decision in parallel (one thread each; the coins
   //    are counter-based, so deciding speculatively changes nothing), then the first rejection.
-  const float threshold = pb.threshold.at(b);
   int64_t accepted = nd;
   for (int64_t first = 0; first < nd; first += blockDim.x) {
     const int64_t i = first + threadIdx.x;
     int64_t rejected = INT64_MAX;
     if (i < nd) {
-      const int64_t token = draft_token(pb, b, i);
       const PositionInfo info = load_coherent(infos + i);
-      const double p_token = exp(info.p.log_prob_precise(load_logit(target_row<T>(pb, b, i) + token), token));
-      const double q_token = exp(info.q.log_prob_precise(load_logit(draft_row<T>(pb, b, i) + token), token));
-      const double coin = draw_uniform(pb.key, b, i, Purpose::Accept);
-      const bool is_argmax = token == info.argmax_t;
-      if (!accept_draft(pb.rule, pb.divergences[b * k + i], threshold, coin, p_token, q_token, is_argmax))
-        rejected = i;
+      if (!position_accepts<T>(pb, b, i, info.p, info.q, info.argmax_t, pb.divergences[b * k + i])) rejected = i;
     }
     const int64_t first_rejected = cub::BlockReduce<int64_t, kThreads>(sh.scan.reduce).Reduce(rejected, MinOp());
     if (threadIdx.x == 0) sh.at = first_rejected;
@@ -439,6 +445,7 @@ struct DecideShared {
   Dist dists[4];  // p, q, pd, qd
   TopBuckets top;
   int32_t good;
+  bool accepted_early;  // sd: this position is accepted whatever pass 2 finds, so pass 2 is skipped
   bool last_block;
   union {
     typename cub::BlockReduce<PassTwo, kThreads>::TempStorage reduce;
@@ -481,11 +488,20 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
         }
         sh.top = t;
         if (c == 0) ws.positions[b * positions + i] = PositionInfo{p, q, st_t.flags, st_d.flags, st_t.argmax, 0};
+        // sd decides from p and q alone; pass 2 is only for the residual, which only a rejected
+        // position samples. (fsd needs every divergence; its residual shares pass 2's exps.)
+        bool accepted_early = false;
+        if (pb.rule == Rule::SD && !pb.need_divergence && i < nd && sh.good) {
+          const int64_t token = draft_token(pb, b, i);
+          if (token >= 0 && token < pb.draft_vocab)
+            accepted_early = position_accepts<T>(pb, b, i, p, q, st_t.argmax, __int_as_float(0x7FC00000));
+        }
+        sh.accepted_early = accepted_early;
       }
     }
     __syncthreads();
     const bool need_residual = (pb.rule == Rule::SD || pb.rule == Rule::FSD) && !temps.greedy;
-    if (i < nd && sh.good && (pb.need_divergence || need_residual)) {
+    if (i < nd && sh.good && !sh.accepted_early && (pb.need_divergence || need_residual)) {
       const int64_t begin = c * ws.chunk, end = min(pb.target_vocab, begin + ws.chunk);
       PassTwo acc;
       const Dist p = sh.dists[0], q = sh.dists[1], pd = sh.dists[2], qd = sh.dists[3];
