@@ -21,25 +21,27 @@ export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 export FSD_EXT_CUDA=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# python3: the GPU image names its torch interpreter python3 (there may be no `python`).
+PY="${PYTHON:-$(command -v python3 || command -v python)}"
 start=$SECONDS
 step() { echo; echo "=== [$((SECONDS - start))s] $*"; }
 
 step "environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python - <<'PY'
+"$PY" - <<'PY'
 import torch
 print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())
 PY
 nvcc --version | tail -n 2 | head -n 1 || true
 
 step "build (python setup.py build_ext --inplace, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
-if ! timeout 270 python setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
+if ! timeout 270 "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
   tail -n 60 "$OUT/build.log"
   echo "=== BUILD FAILED (full log: $OUT/build.log)"
   exit 1
 fi
 grep -E "registers|spill" "$OUT/build.log" | tail -n 20 || true
-python - <<'PY'
+"$PY" - <<'PY'
 import torch, fsd_ext.ops as ops
 ops._ops()
 x = torch.zeros(1, 2, 8, device="cuda")
@@ -48,7 +50,7 @@ PY
 
 status=0
 step "tests (pytest -m cuda tests/test_cuda.py)"
-if ! timeout 150 python -m pytest -m cuda tests/test_cuda.py -q -p no:cacheprovider \
+if ! timeout 150 "$PY" -m pytest -m cuda tests/test_cuda.py -q -p no:cacheprovider \
       --junitxml="$OUT/test_cuda.xml" 2>&1 | tee "$OUT/test_cuda.log" | tail -n 40; then
   status=1
 fi
@@ -57,7 +59,7 @@ if grep -qE "(failed|error)" "$OUT/test_cuda.log" || ! grep -qE "passed" "$OUT/t
 
 step "tests, staged path (FSD_EXT_CUDA_STAGED=1 pytest -m cuda tests/test_cuda.py)"
 staged_ok=1
-if ! FSD_EXT_CUDA_STAGED=1 timeout 120 python -m pytest -m cuda tests/test_cuda.py -q -p no:cacheprovider \
+if ! FSD_EXT_CUDA_STAGED=1 timeout 120 "$PY" -m pytest -m cuda tests/test_cuda.py -q -p no:cacheprovider \
       --junitxml="$OUT/test_cuda_staged.xml" 2>&1 | tee "$OUT/test_cuda_staged.log" | tail -n 40; then
   status=1
   staged_ok=0
@@ -70,7 +72,7 @@ staged_flag=()
 if (( staged_ok == 0 )); then staged_flag=(--no-staged); echo "staged path failed its tests: benchmark without it"; fi
 
 step "benchmark (benchmarks/bench_accept_cuda.py)"
-if ! timeout 170 python benchmarks/bench_accept_cuda.py --out "$OUT" --budget-s 90 ${staged_flag[@]+"${staged_flag[@]}"} 2>&1 | tee "$OUT/bench.log"; then
+if ! timeout 170 "$PY" benchmarks/bench_accept_cuda.py --out "$OUT" --budget-s 90 ${staged_flag[@]+"${staged_flag[@]}"} 2>&1 | tee "$OUT/bench.log"; then
   status=1
 fi
 

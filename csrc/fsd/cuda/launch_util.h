@@ -19,31 +19,27 @@
 namespace fsd {
 namespace cuda {
 
-// Streaming multiprocessors of the current device (queried once per device; no synchronisation).
-inline int multiprocessor_count() {
-  static int cached[64] = {0};
+// An attribute of the current device, queried once per device (kSlot: one cache per attribute);
+// `fallback` when there is no device or the query fails.
+template <int kSlot>
+inline int cached_device_attribute(cudaDeviceAttr attribute, int fallback) {
+  static int cached[64] = {0};  // 0: not asked yet
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 132;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return fallback;
   if (cached[device] == 0) {
-    int count = 0;
-    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || count <= 0)
-      count = 132;
-    cached[device] = count;
+    int value = 0;
+    if (cudaDeviceGetAttribute(&value, attribute, device) != cudaSuccess || value <= 0) value = fallback;
+    cached[device] = value;
   }
   return cached[device];
 }
 
-// Major compute capability of the current device (queried once per device; 0 when unknown).
+// Streaming multiprocessors of the current device (no synchronisation).
+inline int multiprocessor_count() { return cached_device_attribute<0>(cudaDevAttrMultiProcessorCount, 132); }
+
+// Major compute capability of the current device (0 when unknown).
 inline int compute_capability_major() {
-  static int cached[64] = {0};
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64) return 0;
-  if (cached[device] == 0) {
-    int major = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) major = -1;
-    cached[device] = major;
-  }
-  return cached[device] > 0 ? cached[device] : 0;
+  return cached_device_attribute<1>(cudaDevAttrComputeCapabilityMajor, 0);
 }
 
 }  // namespace cuda
