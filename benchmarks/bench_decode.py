@@ -106,6 +106,8 @@ def main(argv=None):
                              "hf_assisted_default (HF's own K schedule); a '+skinny' suffix on an hf_ "
                              "config runs HF on models patched with our CPU linear kernel")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="model dtype (default: float32 on the CPU, bfloat16 on a GPU)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 can win on a busy machine)")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "bench_decode.json"))
@@ -115,7 +117,9 @@ def main(argv=None):
     if args.quick:
         args.num_prompts, args.max_new_tokens, args.repeats = 2, 32, 3
 
-    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    if args.dtype is None:
+        args.dtype = "float32" if args.device == "cpu" else "bfloat16"
+    dtype = getattr(torch, args.dtype)
     target, tokenizer = models.load(args.target, dtype=dtype, device=args.device)
     draft, draft_tokenizer = models.load(args.draft, dtype=dtype, device=args.device)
     check_tokenizers(tokenizer, draft_tokenizer)

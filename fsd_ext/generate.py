@@ -310,7 +310,7 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         use_cuda_graphs: "auto" (on for CUDA), True or False.
         streamer: a Hugging Face streamer (put/end), batch size 1 only.
         output_divergences: keep each step's divergences in stats.divergences.
-        skinny_cpu_linears: "auto" (on for CPU), True or False: compute the models' few-row float32
+        skinny_cpu_linears: "auto" (on for CPU), True or False: compute the models' few-row float32 and bfloat16
             linears the faster way during this call (fsd_ext.cpu_linear; same math, other float
             rounding than stock F.linear); the models are restored on return.
 

@@ -51,8 +51,32 @@ def test_kernel_matches_float64_on_model_sizes():
 
 
 @needs_ext
+@pytest.mark.parametrize("rows", [1, 3, 6, MAX_ROWS])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_bfloat16_matches_float32_product_rounded(rows, bias):
+    """bfloat16 weights and activations: float32 sums of the exact bfloat16 products, rounded to
+    bfloat16 once (what F.linear's bfloat16 path computes, up to its own summation order)."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(257, 1539, generator=gen).bfloat16()  # odd sizes: the kernel's tails
+    b = torch.randn(257, generator=gen).bfloat16() if bias else None
+    x = torch.randn(rows, 1539, generator=gen).bfloat16()
+    out = torch.ops.fsd_ext.skinny_linear(x, weight, b)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, 257)
+    exact = x.double() @ weight.double().t() + (b.double() if bias else 0.0)
+    # One bfloat16 rounding (relative 2^-8) plus float32 summation error.
+    torch.testing.assert_close(out.double(), exact, rtol=2 ** -8, atol=1e-3)
+    torch.testing.assert_close(out, F.linear(x, weight, b), rtol=2 ** -7, atol=2e-2)
+    # Through the Python entry point too: the kernel from 2 rows on (one bfloat16 row: F.linear).
+    expected_entry = out if rows > 1 else F.linear(x, weight, b)
+    torch.testing.assert_close(skinny_linear(x, weight, b), expected_entry, rtol=0, atol=0)
+
+
+@needs_ext
 @pytest.mark.parametrize("x,weight,bias,match", [
     (torch.randn(2, 8).double(), torch.randn(4, 8), None, "float32"),
+    (torch.randn(2, 8), torch.randn(4, 8).bfloat16(), None, "float32 or both bfloat16"),
+    (torch.randn(2, 8).half(), torch.randn(4, 8).half(), None, "float32 or both bfloat16"),
+    (torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16(), torch.randn(4), "bias must be"),
     (torch.randn(2, 8), torch.randn(8, 4).t(), None, "contiguous rows"),
     (torch.randn(2, 7), torch.randn(4, 8), None, "match weight"),
     (torch.randn(17, 8), torch.randn(4, 8), None, "1 to 16 rows"),

@@ -102,12 +102,15 @@ Tensor philox_uniforms_cpu(const Tensor& seed, const Tensor& offset, bool seed_p
   return out;
 }
 
-// x [..., in] @ weight[out, in]^T + bias for at most kSkinnyMaxRows rows of x (float32). The
-// weight and bias are read in place (rows of W must be contiguous); x is made contiguous (small).
+// x [..., in] @ weight[out, in]^T + bias for at most kSkinnyMaxRows rows of x, all float32 or all
+// bfloat16 (as F.linear: the result has x's dtype; bfloat16 sums in float32, rounded once). The
+// weight is read in place (rows of W must be contiguous); x and the bias are small and are made
+// contiguous float32 copies.
 Tensor skinny_linear_cpu(const Tensor& x, const Tensor& weight, const OptTensor& bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "skinny_linear: x and weight must be float32, got ", x.scalar_type(), " and ",
-              weight.scalar_type());
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype,
+              "skinny_linear: x and weight must both be float32 or both bfloat16, got ", x.scalar_type(),
+              " and ", dtype);
   TORCH_CHECK(weight.dim() == 2 && weight.stride(1) == 1 && weight.size(0) >= 1,
               "skinny_linear: weight must be [out, in] with contiguous rows, got sizes ",
               weight.sizes(), " strides ", weight.strides());
@@ -117,19 +120,22 @@ Tensor skinny_linear_cpu(const Tensor& x, const Tensor& weight, const OptTensor&
   const int64_t rows = in > 0 ? x.numel() / in : 0;
   TORCH_CHECK(rows >= 1 && rows <= fsd::cpu::kSkinnyMaxRows, "skinny_linear: x must hold 1 to ",
               fsd::cpu::kSkinnyMaxRows, " rows of ", in, " (and in >= 1), got ", x.sizes());
+  Tensor bias_f;
   if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == out &&
-                    bias->stride(0) == 1,
-                "skinny_linear: bias must be a contiguous float32 [", out, "], got ", bias->sizes());
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == out,
+                "skinny_linear: bias must be a ", dtype, " [", out, "], got ", bias->scalar_type(), " ",
+                bias->sizes());
+    bias_f = bias->to(at::kFloat).contiguous();
   }
-  const Tensor x_rows = x.reshape({rows, in}).contiguous();
-  Tensor y = at::empty({rows, out}, x.options());
+  const Tensor x_rows = x.reshape({rows, in}).to(at::kFloat).contiguous();
+  Tensor y = at::empty({rows, out}, x.options().dtype(at::kFloat));
   fsd::cpu::SkinnyGemm problem;
   problem.x = x_rows.data_ptr<float>();
   problem.x_stride = in;
-  problem.w = weight.data_ptr<float>();
+  problem.w = weight.data_ptr();
   problem.w_stride = weight.stride(0);
-  problem.bias = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  problem.w_dtype = dtype == at::kBFloat16 ? fsd::DType::BFloat16 : fsd::DType::Float32;
+  problem.bias = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   problem.y = y.data_ptr<float>();
   problem.y_stride = out;
   problem.rows = rows;
@@ -138,7 +144,7 @@ Tensor skinny_linear_cpu(const Tensor& x, const Tensor& weight, const OptTensor&
   fsd::cpu::skinny_gemm(problem, torch_parallel_for);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out;
-  return y.view(shape);
+  return (dtype == at::kFloat ? y : y.to(dtype)).view(shape);
 }
 
 }  // namespace

@@ -3,6 +3,8 @@
 // every call and cost 2-3x a single-row product for 2..16 rows; here each weight row is streamed
 // from memory once and multiplied with every row of x while it is in registers, so the product
 // costs about what reading W costs, whatever the number of rows (up to kSkinnyMaxRows).
+// W may be float32 or bfloat16 (widened to float32 in registers: half the bytes to stream); x, the
+// bias and y are float32 and the sums are float32 either way.
 #pragma once
 
 #include <cstdint>
@@ -17,8 +19,9 @@ constexpr int64_t kSkinnyMaxRows = 16;
 struct SkinnyGemm {
   const float* x = nullptr;  // [rows, in]: row r at x + r * x_stride, elements contiguous
   int64_t x_stride = 0;
-  const float* w = nullptr;  // [out, in]: row o at w + o * w_stride, elements contiguous
+  const void* w = nullptr;  // [out, in] of w_dtype: row o at w + o * w_stride, elements contiguous
   int64_t w_stride = 0;
+  DType w_dtype = DType::Float32;  // Float32 or BFloat16
   const float* bias = nullptr;  // [out], or nullptr
   float* y = nullptr;  // [rows, out]: row r at y + r * y_stride
   int64_t y_stride = 0;

@@ -159,21 +159,29 @@ void test_accept_end_to_end() {
 
 // Every row count 1..16 (full and partial row groups), odd `in` (the % 8 tail) and odd `out` (a
 // lone last weight row), padded strides, with and without bias, against a double-precision loop;
-// a task-splitting ParallelFor, so out ranges that start mid-matrix are covered.
+// a task-splitting ParallelFor, so out ranges that start mid-matrix are covered; float32 and
+// bfloat16 weights (values that bfloat16 holds exactly, so one expected result serves both).
 void test_skinny_gemm() {
   const fsd::cpu::ParallelFor chunks_of_3 = [](int64_t count, int64_t, const fsd::cpu::RangeFn& body) {
     for (int64_t begin = 0; begin < count; begin += 3) body(begin, std::min(count, begin + 3));
   };
+  for (const bool bf16 : {false, true}) {
   for (int64_t in : {1, 8, 13, 40}) {
     for (int64_t out : {1, 2, 7, 131, 200}) {
       for (int64_t rows = 1; rows <= fsd::cpu::kSkinnyMaxRows; ++rows) {
         const int64_t x_stride = in + 3, w_stride = in + 1, y_stride = out + 2;
         std::vector<float> x(rows * x_stride), w(out * w_stride), bias(out), y(rows * y_stride, -7.0f);
         for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37 * i);
-        for (size_t i = 0; i < w.size(); ++i) w[i] = std::cos(0.11 * i + 0.5);
+        std::vector<fsd::cpu::BFloat16> w_bf16(w.size());
+        for (size_t i = 0; i < w.size(); ++i) {
+          w_bf16[i].bits = (uint16_t)(fsd::cpu::float_to_bits((float)std::cos(0.11 * i + 0.5)) >> 16);
+          w[i] = fsd::cpu::to_float(w_bf16[i]);  // the same value in float32
+        }
         for (int64_t o = 0; o < out; ++o) bias[o] = 0.25f * o;
         fsd::cpu::SkinnyGemm g;
-        g.x = x.data(), g.x_stride = x_stride, g.w = w.data(), g.w_stride = w_stride;
+        g.x = x.data(), g.x_stride = x_stride, g.w_stride = w_stride;
+        g.w = bf16 ? static_cast<const void*>(w_bf16.data()) : w.data();
+        g.w_dtype = bf16 ? fsd::DType::BFloat16 : fsd::DType::Float32;
         g.bias = (rows % 2) ? bias.data() : nullptr, g.y = y.data(), g.y_stride = y_stride;
         g.rows = rows, g.in = in, g.out = out;
         fsd::cpu::skinny_gemm(g, chunks_of_3);
@@ -187,6 +195,7 @@ void test_skinny_gemm() {
         }
       }
     }
+  }
   }
 }
 
