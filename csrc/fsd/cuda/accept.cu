@@ -59,11 +59,15 @@ AcceptPlan plan_accept(const AcceptProblem& pb) {
     while (smallest < kMaxCluster && stage_bytes(pb.dtype, chunk_of(smallest)) > kStageBudget) smallest *= 2;
     int64_t cluster = smallest;
     while (cluster < kMaxCluster && blocks * cluster < 2 * sms) cluster *= 2;
+    // Clusters of a power-of-two size only: a small vocabulary does not fill `cluster` chunks of
+    // 64 ids, so shrink the cluster until it does.
+    while (cluster > 1 && (pb.target_vocab + chunk_of(cluster) - 1) / chunk_of(cluster) != cluster) cluster /= 2;
     for (; cluster >= smallest && !plan.staged; cluster /= 2) {
       const int64_t chunk = chunk_of(cluster);
-      const int64_t splits = (pb.target_vocab + chunk - 1) / chunk;  // <= cluster
+      const int64_t splits = (pb.target_vocab + chunk - 1) / chunk;  // the cluster size launched
       const size_t bytes = stage_bytes(pb.dtype, chunk);
-      if (bytes <= kStageBudget && staged_fits(pb.dtype, splits, bytes)) {
+      const bool power_of_two = (splits & (splits - 1)) == 0;
+      if (power_of_two && bytes <= kStageBudget && staged_fits(pb.dtype, splits, bytes)) {
         plan.staged = true;
         plan.stage_bytes = bytes;
         plan.splits = splits;

@@ -32,30 +32,37 @@ inline cudaLaunchConfig_t staged_config(unsigned grid, int64_t cluster, size_t b
 template <typename T>
 bool staged_cluster_fits(int64_t cluster, size_t bytes) {
   struct Entry { int device = -1; int64_t cluster = 0; size_t bytes = 0; bool fits = false; };
-  static thread_local Entry cache[8];
+  constexpr int kEntries = 16;
+  static thread_local Entry cache[kEntries];
+  static thread_local int next = 0;
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  // An error already pending on this thread belongs to the caller: leave it there (and stay on the
+  // other paths for this call) rather than clear it with ours.
+  if (cudaPeekAtLastError() != cudaSuccess || cudaGetDevice(&device) != cudaSuccess) return false;
   for (const Entry& e : cache)
     if (e.device == device && e.cluster == cluster && e.bytes == bytes) return e.fits;
   // The kernel body exists only in code compiled for sm_90 or newer (not in, say, sm_80 PTX that the
   // driver compiled for this device).
   cudaFuncAttributes attributes;
-  bool fits = cudaFuncGetAttributes(&attributes, accept_staged_kernel<T>) == cudaSuccess &&
-              attributes.ptxVersion >= 90 && attributes.binaryVersion >= 90 &&
-              cudaFuncSetAttribute(accept_staged_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   (int)kStageBudget) == cudaSuccess &&
-              (cluster <= 8 || cudaFuncSetAttribute(accept_staged_kernel<T>,
-                                                    cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess);
+  bool answered = cudaFuncGetAttributes(&attributes, accept_staged_kernel<T>) == cudaSuccess;
+  bool fits = answered && attributes.ptxVersion >= 90 && attributes.binaryVersion >= 90;
   if (fits) {
+    answered = cudaFuncSetAttribute(accept_staged_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    (int)kStageBudget) == cudaSuccess &&
+               (cluster <= 8 || cudaFuncSetAttribute(accept_staged_kernel<T>,
+                                                     cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess);
     cudaLaunchAttribute attribute;
     const cudaLaunchConfig_t config = staged_config((unsigned)cluster, cluster, bytes, nullptr, &attribute);
     int clusters = 0;
-    fits = cudaOccupancyMaxActiveClusters(&clusters, accept_staged_kernel<T>, &config) == cudaSuccess && clusters > 0;
+    answered = answered && cudaOccupancyMaxActiveClusters(&clusters, accept_staged_kernel<T>, &config) == cudaSuccess;
+    fits = answered && clusters > 0;
   }
-  (void)cudaGetLastError();  // a failed query leaves no sticky error behind
-  static thread_local int next = 0;
+  if (!answered) {
+    (void)cudaGetLastError();  // our failed query (e.g. not allowed while a graph is captured)
+    return false;              // not cached: ask again next time
+  }
   cache[next] = Entry{device, cluster, bytes, fits};
-  next = (next + 1) % 8;
+  next = (next + 1) % kEntries;
   return fits;
 }
 

@@ -263,10 +263,14 @@ template <typename T>
 __host__ __device__ constexpr size_t stage_region_bytes(int64_t capacity) {
   return ((size_t)capacity * sizeof(T) + 16 + 15) / 16 * 16;
 }
+// The offset is applied to the address as an integer: the pointer lies before the allocation (only
+// staged[j] for j in [begin, end) is ever dereferenced), and pointer arithmetic that leaves an
+// object is undefined behaviour the optimiser may exploit; an integer-built pointer it cannot
+// reason about. (Loads through it are generic loads that resolve to shared memory.)
 template <typename T>
 __device__ __forceinline__ T* stage_pointer(void* region, const T* row, int64_t begin) {
   const int64_t phase = (int64_t)((reinterpret_cast<uintptr_t>(row + begin) % 16) / sizeof(T));
-  return static_cast<T*>(region) + phase - begin;
+  return reinterpret_cast<T*>(reinterpret_cast<uintptr_t>(region) + (uintptr_t)((phase - begin) * (int64_t)sizeof(T)));
 }
 
 // block_row_stat that also copies ids [begin, end) of `row` into `staged` (stage_pointer), so a
