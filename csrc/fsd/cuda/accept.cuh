@@ -1,4 +1,4 @@
-// fsd_ext.accept on CUDA: one verification step straight from the logits in two launches.
+// fsd_ext.accept on CUDA: one verification step straight from the logits in at most two launches.
 //
 // Grid: B * (K+1) * splits blocks (flattened: chunk fastest, then position, then row), kThreads
 // each. The vocabulary of a (row, position) is cut into `splits` chunks only when the batch alone
@@ -8,7 +8,8 @@
 //       (max, lowest argmax, sums of exponentials at the sampling and divergence temperatures,
 //       NaN / finite flags); with filters, the cutoffs, kept sums and the div_top_k threshold.
 //   decision, per (row, position, chunk): the full-row distributions from the chunk statistics,
-//       then one pass over the chunk for the divergence terms and the residual mass. The last block
+//       then one pass over the chunk for the divergence terms and the residual mass (skipped
+//       under sd, without divergences, where the coin already accepts the draft). The last block
 //       of a row to finish (atomic counter) sums the chunk results, runs the acceptance scan
 //       (rules.h) and draws the one correction / bonus token by inverse CDF: chunk totals first,
 //       then a block scan inside the chosen chunk.

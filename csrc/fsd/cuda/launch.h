@@ -17,7 +17,8 @@ namespace cuda {
 // records per row, position and vocabulary chunk; 256-byte aligned pieces).
 size_t accept_workspace_bytes(const AcceptProblem& problem);
 
-// fsd_ext.accept: two launches. `workspace` must hold accept_workspace_bytes(problem) bytes of
+// fsd_ext.accept: one or two launches (plus a memset of the row counters; see accept.cuh for the
+// paths). `workspace` must hold accept_workspace_bytes(problem) bytes of
 // device memory (uninitialised is fine) and stay untouched until the launches finish.
 cudaError_t launch_accept(const AcceptProblem& problem, void* workspace, size_t workspace_bytes,
                           cudaStream_t stream);
