@@ -19,13 +19,9 @@ constexpr size_t kAlign = 256;
 
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
+// Dynamic shared memory of one staged block: its chunk of the target row and of the draft row.
 size_t stage_bytes(DType dtype, int64_t chunk) {
-  switch (dtype) {
-    case DType::Float32: return 2 * stage_region_bytes<float>(chunk);
-    case DType::BFloat16: return 2 * stage_region_bytes<BFloat16>(chunk);
-    case DType::Float16: return 2 * stage_region_bytes<Float16>(chunk);
-  }
-  return 0;
+  return 2 * stage_region_bytes(chunk, dtype == DType::Float32 ? 4 : 2);
 }
 
 // The staged path has not yet run on a GPU: it is used only when FSD_EXT_CUDA_STAGED=1 (read on

@@ -571,7 +571,7 @@ __global__ void __launch_bounds__(kThreads, 2) accept_staged_kernel(const Accept
   const T* target = target_row<T>(pb, b, i);
   const T* draft = draft_row<T>(pb, b, i);
   T* staged_target = stage_pointer(stage, target, begin);
-  T* staged_draft = stage_pointer(reinterpret_cast<char*>(stage) + stage_region_bytes<T>(ws.chunk), draft, begin);
+  T* staged_draft = stage_pointer(reinterpret_cast<char*>(stage) + stage_region_bytes(ws.chunk, sizeof(T)), draft, begin);
   if (nd >= 0 && nd <= k && i <= nd) {  // the same for every block of the cluster
     const RowTemps temps = row_temps(pb, b);
     __shared__ typename StatReduce<T>::TempStorage temp;

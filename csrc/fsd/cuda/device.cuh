@@ -89,14 +89,21 @@ __device__ __forceinline__ void load_vec_raw(const T* p, float (&out)[VecWidth<T
 template <int N>
 using Width = std::integral_constant<int, N>;
 
+// End of the scalar head of ids [begin, end) of `row`: the first id at a 16-byte boundary (or end).
+template <typename T>
+__device__ __forceinline__ int64_t vector_head_end(const T* row, int64_t begin, int64_t end) {
+  constexpr int64_t N = VecWidth<T>::value;
+  const int64_t misalign = (int64_t)((reinterpret_cast<uintptr_t>(row + begin) % 16) / sizeof(T));
+  return misalign ? min(end, begin + (N - misalign)) : begin;
+}
+
 // The block's threads visit ids [begin, end) of `row`: f(id, values, Width<n>) with n raw values at
 // ids id..id+n-1 (n = the vector width in the aligned body, 1 in the head and tail).
 template <typename T, bool kShared = false, typename F>
 __device__ __forceinline__ void block_for_each(const T* __restrict__ row, int64_t begin, int64_t end, F&& f) {
   constexpr int N = VecWidth<T>::value;
   if (end <= begin) return;
-  const int64_t misalign = (int64_t)((reinterpret_cast<uintptr_t>(row + begin) % 16) / sizeof(T));
-  const int64_t head_end = misalign ? min(end, begin + (N - misalign)) : begin;
+  const int64_t head_end = vector_head_end(row, begin, end);
   for (int64_t j = begin + threadIdx.x; j < head_end; j += blockDim.x) {
     float v[N];
     v[0] = load_raw(row + j);
@@ -129,10 +136,9 @@ __device__ __forceinline__ void block_for_each_pair(const T* __restrict__ target
   constexpr int N = VecWidth<T>::value;
   const int64_t both_end = max(begin, min(end, draft_end));
   if (both_end > begin) {
-    const int64_t misalign = (int64_t)((reinterpret_cast<uintptr_t>(target + begin) % 16) / sizeof(T));
     const bool same_phase =
         reinterpret_cast<uintptr_t>(target + begin) % 16 == reinterpret_cast<uintptr_t>(draft + begin) % 16;
-    const int64_t head_end = misalign ? min(both_end, begin + (N - misalign)) : begin;
+    const int64_t head_end = vector_head_end(target, begin, both_end);
     for (int64_t j = begin + threadIdx.x; j < head_end; j += blockDim.x) {
       float a[N], b[N];
       a[0] = load_raw(target + j);
@@ -237,6 +243,19 @@ __device__ __forceinline__ void stat_add(RowStat& st, int64_t id, const float* r
 template <typename T>
 using StatReduce = cub::BlockReduce<RowStat, kThreads>;
 
+// The block's total of every thread's statistics, valid in every thread (the barrier also orders
+// everything the threads wrote to shared memory before it).
+template <typename T>
+__device__ __forceinline__ RowStat block_total_stat(const RowStat& st, float inv_s, float inv_d,
+                                                    typename StatReduce<T>::TempStorage& temp, RowStat& shared_out) {
+  const RowStat total = StatReduce<T>(temp).Reduce(st, StatMerge{inv_s, inv_d});
+  if (threadIdx.x == 0) shared_out = total;
+  __syncthreads();
+  const RowStat out = shared_out;
+  __syncthreads();
+  return out;
+}
+
 // Block-wide statistics of ids [begin, end) of `row`; the result is valid in every thread.
 template <typename T>
 __device__ __forceinline__ RowStat block_row_stat(const T* __restrict__ row, int64_t begin, int64_t end, float inv_s, float inv_d,
@@ -247,21 +266,15 @@ __device__ __forceinline__ RowStat block_row_stat(const T* __restrict__ row, int
     constexpr int N = decltype(width)::value;
     stat_add<N>(st, j, v, N, inv_s, inv_d, same_inv);
   });
-  const RowStat total = StatReduce<T>(temp).Reduce(st, StatMerge{inv_s, inv_d});
-  if (threadIdx.x == 0) shared_out = total;
-  __syncthreads();
-  const RowStat out = shared_out;
-  __syncthreads();
-  return out;
+  return block_total_stat<T>(st, inv_s, inv_d, temp, shared_out);
 }
 
 // Where ids [begin, begin + capacity) of `row` go in a shared-memory region of
-// stage_region_bytes<T>(capacity) bytes: the returned pointer is indexed by vocabulary id
+// stage_region_bytes(capacity, sizeof(T)) bytes: the returned pointer is indexed by vocabulary id
 // (staged[j], j in [begin, end)) and keeps each id's 16-byte phase in global memory, so the
 // head / body / tail split of block_for_each is the same on the copy as on the original.
-template <typename T>
-__host__ __device__ constexpr size_t stage_region_bytes(int64_t capacity) {
-  return ((size_t)capacity * sizeof(T) + 16 + 15) / 16 * 16;
+__host__ __device__ constexpr size_t stage_region_bytes(int64_t capacity, size_t element_bytes) {
+  return ((size_t)capacity * element_bytes + 16 + 15) / 16 * 16;
 }
 // The offset is applied to the address as an integer: the pointer lies before the allocation (only
 // staged[j] for j in [begin, end) is ever dereferenced), and pointer arithmetic that leaves an
@@ -290,8 +303,7 @@ __device__ __forceinline__ RowStat block_stage_stat(const T* __restrict__ row, T
     stat_add<1>(st, j, &v, 1, inv_s, inv_d, same_inv);
   };
   if (end > begin) {
-    const int64_t misalign = (int64_t)((reinterpret_cast<uintptr_t>(row + begin) % 16) / sizeof(T));
-    const int64_t head_end = misalign ? min(end, begin + (N - misalign)) : begin;
+    const int64_t head_end = vector_head_end(row, begin, end);
     for (int64_t j = begin + threadIdx.x; j < head_end; j += blockDim.x) scalar(j);
     const int64_t vectors = (end - head_end) / N;
     const uint4* src = reinterpret_cast<const uint4*>(row + head_end);
@@ -316,12 +328,7 @@ __device__ __forceinline__ RowStat block_stage_stat(const T* __restrict__ row, T
     }
     for (int64_t j = head_end + vectors * N + threadIdx.x; j < end; j += blockDim.x) scalar(j);
   }
-  const RowStat total = StatReduce<T>(temp).Reduce(st, StatMerge{inv_s, inv_d});
-  if (threadIdx.x == 0) shared_out = total;
-  __syncthreads();  // also: the staged copy is complete for every thread
-  const RowStat out = shared_out;
-  __syncthreads();
-  return out;
+  return block_total_stat<T>(st, inv_s, inv_d, temp, shared_out);  // its barrier completes the copy
 }
 
 __device__ __forceinline__ bool stat_good(int32_t flags) { return !(flags & kHasNaN) && (flags & kHasFinite); }
