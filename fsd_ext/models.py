@@ -194,7 +194,24 @@ def _convert(gguf: Path, folder: Path) -> None:
         config_dict["rope_theta"] = rope["rope_theta"]
     config_path.write_text(json.dumps(config_dict, indent=2))
     tokenizer.save_pretrained(str(tmp))
+    _make_tokenizer_config_portable(tmp)
     tmp.replace(folder)
+
+
+def _make_tokenizer_config_portable(folder: Path) -> None:
+    """A converted folder must load under transformers 4.5x and 5.x alike: 5.x saves its generic
+    fast tokenizer as "TokenizersBackend", a class 4.5x does not have; both read the tokenizer.json
+    through PreTrainedTokenizerFast (and without model_input_names 4.5x would add token_type_ids,
+    which the models do not take)."""
+    path = folder / "tokenizer_config.json"
+    if not path.exists():
+        return
+    config = json.loads(path.read_text())
+    if config.get("tokenizer_class") != "TokenizersBackend":
+        return
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config.setdefault("model_input_names", ["input_ids", "attention_mask"])
+    path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
 
 
 def resolve(name_or_path: str) -> str:
@@ -205,6 +222,8 @@ def resolve(name_or_path: str) -> str:
     folder = cache_dir() / spec.name
     if not (folder / "model.safetensors").exists():
         _convert(assemble_gguf(spec), folder)
+    else:
+        _make_tokenizer_config_portable(folder)  # folders converted by an older fsd-ext
     return str(folder)
 
 

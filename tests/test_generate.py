@@ -482,6 +482,38 @@ def test_assemble_gguf_concatenates_in_order_and_checks_sha256(tmp_path, monkeyp
         models.assemble_gguf(bad)
 
 
+def test_converted_tokenizer_config_loads_under_transformers_4_and_5(tmp_path):
+    """transformers 5 saves a generic fast tokenizer as class "TokenizersBackend", which 4.5x cannot
+    load; the converted folder must name a class both have and keep the ids the same."""
+    import json
+
+    from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from fsd_ext import models
+
+    vocab = {"<unk>": 0, "<eos>": 1, "def": 2, "f": 3, "(": 4, ")": 5, ":": 6}
+    backend = Tokenizer(tok_models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>")
+    tokenizer.save_pretrained(str(tmp_path))
+    config_path = tmp_path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "TokenizersBackend"  # what transformers 5 writes
+    config_path.write_text(json.dumps(config))
+
+    models._make_tokenizer_config_portable(tmp_path)
+    config = json.loads(config_path.read_text())
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert config["model_input_names"] == ["input_ids", "attention_mask"]
+    loaded = AutoTokenizer.from_pretrained(str(tmp_path))
+    enc = loaded("def f ( ) :")
+    assert enc["input_ids"] == [2, 3, 4, 5, 6]
+    assert sorted(enc) == ["attention_mask", "input_ids"]
+    models._make_tokenizer_config_portable(tmp_path)  # idempotent
+    assert json.loads(config_path.read_text()) == config
+
+
 def test_cli_parser():
     from fsd_ext import cli
 
