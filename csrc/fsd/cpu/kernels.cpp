@@ -25,6 +25,21 @@ namespace {
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
+// Per-thread scratch of the row passes. One per worker thread for the life of the thread
+// (thread_local below), so a call allocates nothing once the buffers have grown to the largest
+// vocabulary seen (at most 2 MB per thread at V = 262144).
+struct Scratch {
+  std::vector<float> filter;  // a copy of one row for the filter cutoffs
+  // exp(s_j) of the target and draft rows, stored by their sum passes when a divergence follows
+  std::vector<float> target_exps, draft_exps;
+
+  float* exps_for(std::vector<float>& exps, int64_t n, bool wanted) {
+    if (!wanted) return nullptr;
+    exps.resize(n);
+    return exps.data();
+  }
+};
+
 // Everything phase 2 needs to know about one vocabulary row (one model, one position).
 struct RowStats {
   bool bad = true;     // NaN or no finite logit (or not computed: unused position)
@@ -35,16 +50,16 @@ struct RowStats {
 };
 
 // need_sampling = false (the greedy rule, which only compares and emits argmaxes) skips the
-// sampling distribution's sum, a full pass over the row.
+// sampling distribution's sum, a full pass over the row. `exps`: see sum_exp.
 template <typename T>
 RowStats row_stats(const T* row, int64_t n, float tau, const SamplingFilter& filter, bool need_argmax,
-                   std::vector<float>& scratch, bool need_sampling = true) {
+                   std::vector<float>& scratch, bool need_sampling = true, float* exps = nullptr) {
   RowStats stats;
   const RowScan scan = scan_row(row, n);
   stats.bad = scan.bad;
   if (scan.bad) return stats;
   stats.max = scan.max;
-  if (need_sampling) stats.sample = sampling_dist(row, n, scan.max, tau, filter, scratch);
+  if (need_sampling) stats.sample = sampling_dist(row, n, scan.max, tau, filter, scratch, exps);
   stats.has_sample = need_sampling;
   stats.argmax = stats.sample.one_hot >= 0 ? stats.sample.one_hot
                  : need_argmax               ? first_index_of(row, n, scan.max)
@@ -54,14 +69,17 @@ RowStats row_stats(const T* row, int64_t n, float tau, const SamplingFilter& fil
 
 // The distribution the divergence compares: the sampling one (div_temperature=None), or the
 // unfiltered softmax at the divergence temperature (sharing the sampling sum when it is the same).
+// `exps` must be the array row_stats stored into, if any: whichever sum pass ran last wrote the
+// exponentials of the returned distribution.
 template <typename T>
-Dist divergence_dist(const T* row, int64_t n, const RowStats& stats, bool uses_sampling, float div_tau) {
+Dist divergence_dist(const T* row, int64_t n, const RowStats& stats, bool uses_sampling, float div_tau,
+                     float* exps) {
   if (uses_sampling) return stats.sample;
   Dist d;
   d.max = stats.max;
   d.inv_tau = inverse_temperature(div_tau);
   if (stats.has_sample && stats.sample.plain() && stats.sample.inv_tau == d.inv_tau) return stats.sample;
-  d.sum = sum_exp(row, n, d);
+  d.sum = sum_exp(row, n, d, exps);
   d.log_sum = (float)std::log(d.sum);
   return d;
 }
@@ -91,23 +109,31 @@ struct AcceptKernel {
   }
 
   // Phase 1: statistics and divergence of position i of row b.
-  void position(int64_t b, int64_t i, std::vector<float>& scratch) {
+  void position(int64_t b, int64_t i, Scratch& scratch) {
     const int64_t k = pb.max_draft, used = num_draft(b);
     if (used < 0 || used > k || i > used) return;  // unused position (or an invalid row)
     const float tau = pb.temperature.at(b);
     const bool greedy_rule = pb.rule == Rule::Greedy;
     const bool need_sampling = !greedy_rule || (pb.need_divergence && pb.div_uses_sampling);
+    const bool divergence_follows = pb.need_divergence && i < used;
+    float* target_exps = scratch.exps_for(scratch.target_exps, pb.target_vocab, divergence_follows);
+    float* draft_exps = scratch.exps_for(scratch.draft_exps, pb.draft_vocab, divergence_follows);
     RowStats& t = target_stats[b * (k + 1) + i];
-    t = row_stats(target_row(b, i), pb.target_vocab, tau, pb.filter, greedy_rule, scratch, need_sampling);
+    t = row_stats(target_row(b, i), pb.target_vocab, tau, pb.filter, greedy_rule, scratch.filter,
+                  need_sampling, target_exps);
     if (i == used) return;  // the bonus position has no draft
     RowStats& d = draft_stats[b * k + i];
-    d = row_stats(draft_row(b, i), pb.draft_vocab, tau, pb.filter, false, scratch, need_sampling);
+    d = row_stats(draft_row(b, i), pb.draft_vocab, tau, pb.filter, false, scratch.filter, need_sampling,
+                  draft_exps);
     if (!pb.need_divergence || t.bad || d.bad) return;
     const float div_tau = pb.div_temperature.at(b);
-    const Dist p = divergence_dist(target_row(b, i), pb.target_vocab, t, pb.div_uses_sampling, div_tau);
-    const Dist q = divergence_dist(draft_row(b, i), pb.draft_vocab, d, pb.div_uses_sampling, div_tau);
+    const Dist p = divergence_dist(target_row(b, i), pb.target_vocab, t, pb.div_uses_sampling, div_tau,
+                                   target_exps);
+    const Dist q = divergence_dist(draft_row(b, i), pb.draft_vocab, d, pb.div_uses_sampling, div_tau,
+                                   draft_exps);
     pb.divergences[b * k + i] = divergence(pb.divergence, target_row(b, i), pb.target_vocab, p,
-                                           draft_row(b, i), pb.draft_vocab, q, pb.div_top_k);
+                                           draft_row(b, i), pb.draft_vocab, q, pb.div_top_k,
+                                           target_exps, draft_exps);
   }
 
   bool row_valid(int64_t b) const {
@@ -203,7 +229,7 @@ struct AcceptKernel {
   void run(const ParallelFor& parallel_for) {
     const int64_t positions = pb.max_draft + 1;
     parallel_for(pb.batch * positions, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch;
+      thread_local Scratch scratch;
       for (int64_t item = begin; item < end; ++item) position(item / positions, item % positions, scratch);
     });
     parallel_for(pb.batch, 1, [&](int64_t begin, int64_t end) {
@@ -215,16 +241,20 @@ struct AcceptKernel {
 template <typename T>
 void divergence_rows(const DivergenceProblem& pb, const ParallelFor& parallel_for) {
   parallel_for(pb.rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch;
+    thread_local Scratch scratch;
     const SamplingFilter no_filter;
+    float* target_exps = scratch.exps_for(scratch.target_exps, pb.target_vocab, true);
+    float* draft_exps = scratch.exps_for(scratch.draft_exps, pb.draft_vocab, true);
     for (int64_t r = begin; r < end; ++r) {
       const T* zt = static_cast<const T*>(pb.target_logits) + r * pb.target_stride;
       const T* zd = static_cast<const T*>(pb.draft_logits) + r * pb.draft_stride;
-      const RowStats t = row_stats(zt, pb.target_vocab, pb.temperature, no_filter, false, scratch);
-      const RowStats d = row_stats(zd, pb.draft_vocab, pb.temperature, no_filter, false, scratch);
+      const RowStats t = row_stats(zt, pb.target_vocab, pb.temperature, no_filter, false, scratch.filter,
+                                   true, target_exps);
+      const RowStats d = row_stats(zd, pb.draft_vocab, pb.temperature, no_filter, false, scratch.filter,
+                                   true, draft_exps);
       pb.out[r] = t.bad || d.bad ? kNaN
                                  : divergence(pb.divergence, zt, pb.target_vocab, t.sample, zd,
-                                              pb.draft_vocab, d.sample, pb.top_k);
+                                              pb.draft_vocab, d.sample, pb.top_k, target_exps, draft_exps);
     }
   });
 }

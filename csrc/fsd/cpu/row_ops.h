@@ -1,6 +1,7 @@
 // One-vocabulary-row primitives of the CPU kernels: statistics, filter cutoffs, divergence sums and
 // inverse-CDF sampling, each a single pass (or less) over the logits with no probability array
-// materialised (only the optional filters and div_top_k buckets use a scratch copy).
+// materialised. Scratch: a copy of the row for the optional filters, double arrays for div_top_k
+// buckets, and the exp(s_j) a sum pass stores for the divergence pass that follows it.
 #pragma once
 
 #include <algorithm>
@@ -136,10 +137,17 @@ auto kept_exp(const T* row, const Dist& d) {
   };
 }
 
-// sum over j with s_j >= cut of exp(s_j).
+// sum over j with s_j >= cut of exp(s_j). With `exps`, also stores each exp(s_j) (0 below the
+// cut) in exps[0, n): the divergence pass that follows then reads p_j = exps[j] / sum instead of
+// recomputing two exponentials per id, most of its arithmetic.
 template <typename T>
-double sum_exp(const T* row, int64_t n, const Dist& d) {
-  return sum_range(0, n, kept_exp(row, d));
+double sum_exp(const T* row, int64_t n, const Dist& d, float* exps = nullptr) {
+  if (exps == nullptr) return sum_range(0, n, kept_exp(row, d));
+  return sum_range(0, n, [kept = kept_exp(row, d), exps](int64_t j) {
+    const float e = kept(j);
+    exps[j] = e;
+    return e;
+  });
 }
 
 // The filter cutoff in s-space (see SamplingFilter): top-k, then top-p on the renormalised top-k
@@ -172,10 +180,11 @@ float filter_cutoff(const T* row, int64_t n, const Dist& d, const SamplingFilter
   return cut;
 }
 
-// Fills `d` for sampling at temperature `tau` (0 = one-hot at the argmax) under `filter`.
+// Fills `d` for sampling at temperature `tau` (0 = one-hot at the argmax) under `filter`; `exps`
+// (optional, [n]) receives the exponentials, see sum_exp.
 template <typename T>
 Dist sampling_dist(const T* row, int64_t n, float max, float tau, const SamplingFilter& filter,
-                   std::vector<float>& scratch) {
+                   std::vector<float>& scratch, float* exps = nullptr) {
   Dist d;
   d.max = max;
   if (tau == 0.0f) {
@@ -184,7 +193,7 @@ Dist sampling_dist(const T* row, int64_t n, float max, float tau, const Sampling
   }
   d.inv_tau = inverse_temperature(tau);
   if (filter.active()) d.cut = filter_cutoff(row, n, d, filter, scratch);
-  d.sum = sum_exp(row, n, d);
+  d.sum = sum_exp(row, n, d, exps);
   d.log_sum = (float)std::log(d.sum);
   return d;
 }
@@ -224,6 +233,63 @@ FSD_CPU_CLONES double divergence_sum(const T* zt, int64_t vt, const Dist& p, con
   return total;
 }
 
+// p_j and log p_j of a plain distribution from the stored e_j = exp(s_j) and
+// scale = exp(-log_sum). log p_j = s_j - log_sum is rounded to float, and p_j must be exp of that
+// rounded value, not e_j * scale: the divergences are stationary under consistent perturbations of
+// (p, log p) but not under inconsistent ones (JS would be off by up to ~4e-7 at V = 151936 instead
+// of ~4e-8). So the subtraction's rounding error r (exact, Knuth's two-sum) corrects p_j by
+// exp(-r) ~ 1 - r. TV uses no logs and skips the correction.
+template <bool kUsesLog>
+struct ProbFromStored {
+  float log_sum, scale;
+  FSD_ALWAYS_INLINE void operator()(float s, float e, float& p, float& lp) const {
+    const float minus = -log_sum;
+    lp = s + minus;
+    if (!kUsesLog) {
+      p = e * scale;
+      return;
+    }
+    const float s_part = lp - minus, minus_part = lp - s_part;
+    const float r = (s - s_part) + (minus - minus_part);  // (s - log_sum) - lp, exactly
+    p = e * scale * (1.0f - r);
+  }
+};
+
+// divergence_sum for plain p and q whose exponentials sum_exp stored in exps_t [vt] and
+// exps_d [vd]: no exp is left in this pass (JS and MKL keep one log per id).
+template <Divergence D, typename T>
+FSD_CPU_CLONES double divergence_sum_stored(const T* zt, const float* exps_t, int64_t vt, const Dist& p,
+                                            const T* zd, const float* exps_d, int64_t vd, const Dist& q) {
+  const FastLog log_fn;
+  constexpr bool kUsesLog = D != Divergence::TV;
+  const ProbFromStored<kUsesLog> target{p.log_sum, (float)std::exp(-(double)p.log_sum)};
+  const ProbFromStored<kUsesLog> draft{q.log_sum, (float)std::exp(-(double)q.log_sum)};
+  double total = 0.0;
+  float lane[kLanes] = {};
+  int64_t j = 0, since_flush = 0;
+  for (; j + kLanes <= vd; j += kLanes) {
+    FSD_SIMD
+    for (int l = 0; l < kLanes; ++l) {
+      float p_j, lp, q_j, lq;
+      target(p.scaled(load_logit(zt, j + l)), exps_t[j + l], p_j, lp);
+      draft(q.scaled(load_logit(zd, j + l)), exps_d[j + l], q_j, lq);
+      lane[l] += divergence_term<D>(p_j, lp, q_j, lq, log_fn);
+    }
+    if ((since_flush += kLanes) >= kFlushEvery) {
+      for (int l = 0; l < kLanes; ++l) total += lane[l], lane[l] = 0.0f;
+      since_flush = 0;
+    }
+  }
+  for (int l = 0; l < kLanes; ++l) total += lane[l];
+  for (; j < vt; ++j) {  // draft tail and the target-only ids (q = 0)
+    float p_j, lp, q_j = 0.0f, lq = -kInf;
+    target(p.scaled(load_logit(zt, j)), exps_t[j], p_j, lp);
+    if (j < vd) draft(q.scaled(load_logit(zd, j)), exps_d[j], q_j, lq);
+    total += divergence_term<D>(p_j, lp, q_j, lq, log_fn);
+  }
+  return total;
+}
+
 // div_top_k: the divergence over k+1 buckets, the k most probable ids under p (lowest id on ties)
 // and one bucket with the rest of the mass, for p and q alike. A slow path with double scratch.
 template <Divergence D, typename T>
@@ -248,16 +314,21 @@ double divergence_bucketed(const T* zt, int64_t vt, const Dist& p, const T* zd, 
   return total + divergence_term<D>(rest_p, std::log(rest_p), rest_q, std::log(rest_q), log_fn);
 }
 
+// D(p || q). `exps_t` / `exps_d` (optional): the exponentials sum_exp stored while computing p.sum
+// and q.sum, used when both distributions are plain.
 template <typename T>
 float divergence(Divergence kind, const T* zt, int64_t vt, const Dist& p, const T* zd, int64_t vd,
-                 const Dist& q, int64_t bucket_top_k) {
+                 const Dist& q, int64_t bucket_top_k, const float* exps_t = nullptr,
+                 const float* exps_d = nullptr) {
   const bool bucketed = bucket_top_k > 0 && bucket_top_k < vt;
   const bool general = !p.plain() || !q.plain();
+  const bool stored = exps_t != nullptr && exps_d != nullptr;
   auto run = [&](auto tag) -> double {
     constexpr Divergence kKind = decltype(tag)::value;
     if (bucketed) return divergence_bucketed<kKind>(zt, vt, p, zd, vd, q, bucket_top_k);
-    return general ? divergence_sum<kKind, true>(zt, vt, p, zd, vd, q)
-                   : divergence_sum<kKind, false>(zt, vt, p, zd, vd, q);
+    if (general) return divergence_sum<kKind, true>(zt, vt, p, zd, vd, q);
+    return stored ? divergence_sum_stored<kKind>(zt, exps_t, vt, p, zd, exps_d, vd, q)
+                  : divergence_sum<kKind, false>(zt, vt, p, zd, vd, q);
   };
   double sum = 0.0;
   switch (kind) {
