@@ -164,16 +164,16 @@ struct AcceptKernel {
     const T* target = target_row(b, i);
     const T* draft = draft_row(b, i);
     const Dist p = t.sample, q = d.sample;  // copies: loop-invariant locals for the vectoriser
-    auto prob = [](const T* row, const Dist& dist, int64_t j) {  // computed unconditionally: vectorises
+    auto prob = [](const T* row, const Dist& dist, int64_t j) FSD_INLINE_LAMBDA {  // computed unconditionally: vectorises
       const float s = dist.scaled(load_logit(row, j));
       const float e = exp_nonpositive(s - dist.log_sum);
       return s >= dist.cut ? e : 0.0f;
     };
-    auto residual = [&](int64_t j) {
+    auto residual = [&](int64_t j) FSD_INLINE_LAMBDA {
       const float diff = prob(target, p, j) - prob(draft, q, j);
       return diff > 0.0f ? diff : 0.0f;
     };
-    auto target_only = [&](int64_t j) { return prob(target, p, j); };  // ids >= V_d: q = 0
+    auto target_only = [&](int64_t j) FSD_INLINE_LAMBDA { return prob(target, p, j); };  // ids >= V_d: q = 0
     const auto weight = split_weight(pb.draft_vocab, residual, target_only);
     const double mass = weight.sum(0, pb.target_vocab);
     if (mass <= kResidualMassEps) return sample_target(b, i, u);

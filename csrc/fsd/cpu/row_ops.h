@@ -130,7 +130,7 @@ SplitWeight<Below, Above> split_weight(int64_t split, Below below, Above above) 
 // exp(s_j) over kept ids, unnormalised: the weights of a sample of p (total = d.sum).
 template <typename T>
 auto kept_exp(const T* row, const Dist& d) {
-  return [row, d](int64_t j) {  // d by value: loop-invariant fields, so the loop vectorises
+  return [row, d](int64_t j) FSD_INLINE_LAMBDA {  // d by value: loop-invariant fields, so the loop vectorises
     const float s = d.scaled(load_logit(row, j));
     const float e = exp_nonpositive(s);
     return s >= d.cut ? e : 0.0f;
@@ -143,7 +143,7 @@ auto kept_exp(const T* row, const Dist& d) {
 template <typename T>
 double sum_exp(const T* row, int64_t n, const Dist& d, float* exps = nullptr) {
   if (exps == nullptr) return sum_range(0, n, kept_exp(row, d));
-  return sum_range(0, n, [kept = kept_exp(row, d), exps](int64_t j) {
+  return sum_range(0, n, [kept = kept_exp(row, d), exps](int64_t j) FSD_INLINE_LAMBDA {
     const float e = kept(j);
     exps[j] = e;
     return e;
@@ -199,38 +199,32 @@ Dist sampling_dist(const T* row, int64_t n, float max, float tau, const Sampling
 }
 
 // sum_j divergence_term(p_j, q_j) for target row zt [vt] and draft row zd [vd], vd <= vt; ids >= vd
-// have q = 0. kGeneral handles cutoffs and one-hot distributions; the plain path is the hot loop.
-template <Divergence D, bool kGeneral, typename T>
-FSD_CPU_CLONES double divergence_sum(const T* zt, int64_t vt, const Dist& p, const T* zd, int64_t vd, const Dist& q) {
+// have q = 0. Any p and q (cutoffs, one-hot); plain ones with stored exponentials take
+// divergence_sum_stored instead.
+template <Divergence D, typename T>
+double divergence_sum(const T* zt, int64_t vt, const Dist& p, const T* zd, int64_t vd, const Dist& q) {
   const FastLog log_fn;
-  auto log_prob = [](const Dist& d, float logit, int64_t id) {
-    const float s = d.scaled(logit);
-    if (!kGeneral) return s - d.log_sum;
-    if (d.one_hot >= 0) return id == d.one_hot ? 0.0f : -kInf;
-    return s >= d.cut ? s - d.log_sum : -kInf;
+  auto log_prob = [](const Dist& d, float logit, int64_t id) FSD_INLINE_LAMBDA {
+    // Both values computed, then selected: GCC vectorises this form and not `cut ? s - log_sum : ..`.
+    const float s = d.scaled(logit), lp = s - d.log_sum;
+    const float kept = s >= d.cut ? lp : -kInf;
+    const float one_hot = id == d.one_hot ? 0.0f : -kInf;
+    return d.one_hot >= 0 ? one_hot : kept;
   };
-  double total = 0.0;
-  float lane[kLanes] = {};
-  int64_t j = 0, since_flush = 0;
-  for (; j + kLanes <= vd; j += kLanes) {
-    FSD_SIMD
-    for (int l = 0; l < kLanes; ++l) {
-      const float lp = log_prob(p, load_logit(zt, j + l), j + l);
-      const float lq = log_prob(q, load_logit(zd, j + l), j + l);
-      lane[l] += divergence_term<D>(exp_nonpositive(lp), lp, exp_nonpositive(lq), lq, log_fn);
-    }
-    if ((since_flush += kLanes) >= kFlushEvery) {
-      for (int l = 0; l < kLanes; ++l) total += lane[l], lane[l] = 0.0f;
-      since_flush = 0;
-    }
-  }
-  for (int l = 0; l < kLanes; ++l) total += lane[l];
-  for (; j < vt; ++j) {  // draft tail and the target-only ids (q = 0)
+  auto both = [=](int64_t j) FSD_INLINE_LAMBDA {
+    const float lp = log_prob(p, load_logit(zt, j), j), lq = log_prob(q, load_logit(zd, j), j);
+    return divergence_term<D>(exp_nonpositive(lp), lp, exp_nonpositive(lq), lq, log_fn);
+  };
+  auto target_only = [=](int64_t j) FSD_INLINE_LAMBDA {  // ids >= vd: q = 0
     const float lp = log_prob(p, load_logit(zt, j), j);
-    const float lq = j < vd ? log_prob(q, load_logit(zd, j), j) : -kInf;
-    total += divergence_term<D>(exp_nonpositive(lp), lp, exp_nonpositive(lq), lq, log_fn);
+    return divergence_term<D>(exp_nonpositive(lp), lp, 0.0f, -kInf, log_fn);
+  };
+  const auto term = split_weight(vd, both, target_only);
+  if (p.one_hot >= 0 && q.one_hot >= 0) {  // temperature 0: every other id has p = q = 0, term 0
+    const double at_target = term(p.one_hot);
+    return q.one_hot == p.one_hot ? at_target : at_target + term(q.one_hot);
   }
-  return total;
+  return term.sum(0, vt);
 }
 
 // p_j and log p_j of a plain distribution from the stored e_j = exp(s_j) and
@@ -258,36 +252,24 @@ struct ProbFromStored {
 // divergence_sum for plain p and q whose exponentials sum_exp stored in exps_t [vt] and
 // exps_d [vd]: no exp is left in this pass (JS and MKL keep one log per id).
 template <Divergence D, typename T>
-FSD_CPU_CLONES double divergence_sum_stored(const T* zt, const float* exps_t, int64_t vt, const Dist& p,
-                                            const T* zd, const float* exps_d, int64_t vd, const Dist& q) {
+double divergence_sum_stored(const T* zt, const float* exps_t, int64_t vt, const Dist& p, const T* zd,
+                             const float* exps_d, int64_t vd, const Dist& q) {
   const FastLog log_fn;
   constexpr bool kUsesLog = D != Divergence::TV;
   const ProbFromStored<kUsesLog> target{p.log_sum, (float)std::exp(-(double)p.log_sum)};
   const ProbFromStored<kUsesLog> draft{q.log_sum, (float)std::exp(-(double)q.log_sum)};
-  double total = 0.0;
-  float lane[kLanes] = {};
-  int64_t j = 0, since_flush = 0;
-  for (; j + kLanes <= vd; j += kLanes) {
-    FSD_SIMD
-    for (int l = 0; l < kLanes; ++l) {
-      float p_j, lp, q_j, lq;
-      target(p.scaled(load_logit(zt, j + l)), exps_t[j + l], p_j, lp);
-      draft(q.scaled(load_logit(zd, j + l)), exps_d[j + l], q_j, lq);
-      lane[l] += divergence_term<D>(p_j, lp, q_j, lq, log_fn);
-    }
-    if ((since_flush += kLanes) >= kFlushEvery) {
-      for (int l = 0; l < kLanes; ++l) total += lane[l], lane[l] = 0.0f;
-      since_flush = 0;
-    }
-  }
-  for (int l = 0; l < kLanes; ++l) total += lane[l];
-  for (; j < vt; ++j) {  // draft tail and the target-only ids (q = 0)
-    float p_j, lp, q_j = 0.0f, lq = -kInf;
+  auto both = [=](int64_t j) FSD_INLINE_LAMBDA {
+    float p_j, lp, q_j, lq;
     target(p.scaled(load_logit(zt, j)), exps_t[j], p_j, lp);
-    if (j < vd) draft(q.scaled(load_logit(zd, j)), exps_d[j], q_j, lq);
-    total += divergence_term<D>(p_j, lp, q_j, lq, log_fn);
-  }
-  return total;
+    draft(q.scaled(load_logit(zd, j)), exps_d[j], q_j, lq);
+    return divergence_term<D>(p_j, lp, q_j, lq, log_fn);
+  };
+  auto target_only = [=](int64_t j) FSD_INLINE_LAMBDA {  // ids >= vd: q = 0
+    float p_j, lp;
+    target(p.scaled(load_logit(zt, j)), exps_t[j], p_j, lp);
+    return divergence_term<D>(p_j, lp, 0.0f, -kInf, log_fn);
+  };
+  return split_weight(vd, both, target_only).sum(0, vt);
 }
 
 // div_top_k: the divergence over k+1 buckets, the k most probable ids under p (lowest id on ties)
@@ -326,9 +308,8 @@ float divergence(Divergence kind, const T* zt, int64_t vt, const Dist& p, const 
   auto run = [&](auto tag) -> double {
     constexpr Divergence kKind = decltype(tag)::value;
     if (bucketed) return divergence_bucketed<kKind>(zt, vt, p, zd, vd, q, bucket_top_k);
-    if (general) return divergence_sum<kKind, true>(zt, vt, p, zd, vd, q);
-    return stored ? divergence_sum_stored<kKind>(zt, exps_t, vt, p, zd, exps_d, vd, q)
-                  : divergence_sum<kKind, false>(zt, vt, p, zd, vd, q);
+    if (stored && !general) return divergence_sum_stored<kKind>(zt, exps_t, vt, p, zd, exps_d, vd, q);
+    return divergence_sum<kKind>(zt, vt, p, zd, vd, q);
   };
   double sum = 0.0;
   switch (kind) {

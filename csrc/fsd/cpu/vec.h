@@ -25,6 +25,14 @@
 #define FSD_ALWAYS_INLINE inline
 #endif
 
+// For a lambda handed to a vectorised loop (sum_range): it must be inlined to vectorise, and GCC
+// leaves a large one (a divergence term: two exps and a log) as one call per element otherwise.
+#if defined(__GNUC__)
+#define FSD_INLINE_LAMBDA __attribute__((always_inline))
+#else
+#define FSD_INLINE_LAMBDA
+#endif
+
 // Marks the fixed-width lane loops for the vectoriser (needs -fopenmp-simd; a no-op without it).
 #define FSD_SIMD _Pragma("omp simd")
 
