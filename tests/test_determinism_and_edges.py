@@ -88,6 +88,38 @@ def test_positive_infinite_logit_takes_all_the_mass():
     assert fsd_ext.sample(target[0], seed=0).tolist() == [4, 4]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 100, 1000, 32001])
+def test_argmax_is_the_lowest_id_of_the_maximum(vocab, dtype):
+    """Temperature 0 and the greedy rule emit the lowest id holding the maximum (+inf counting as
+    the largest finite float32) wherever the ties fall: across SIMD lanes, blocks and the scalar
+    tail. (A row of +inf alone has no finite logit: invalid, so vocab 1 skips the inf patterns.)"""
+    big = torch.finfo(dtype).max
+    gen = torch.Generator().manual_seed(vocab)
+    rows = []
+    for _ in range(64):
+        row = torch.randint(-3, 3, (vocab,), generator=gen).to(dtype)  # many ties
+        ids = torch.randint(vocab, (3,), generator=gen)
+        pattern = int(torch.randint(4 if vocab > 1 else 2, (), generator=gen))
+        if pattern == 1:
+            row[ids] = 7.0
+        elif pattern == 2:
+            row[ids[0]] = float("inf")
+            row[ids[1:]] = big
+        elif pattern == 3:
+            row[ids] = float("inf")
+        rows.append(row)
+    logits = torch.stack(rows)
+    flt_max = torch.finfo(torch.float32).max
+    expected = logits.float().nan_to_num(posinf=flt_max).argmax(-1)  # torch: first occurrence
+    assert torch.equal(fsd_ext.sample(logits, temperature=0.0), expected)
+    target = logits[:, None, :].expand(-1, 2, -1)
+    draft = torch.zeros(64, 1, vocab, dtype=dtype)
+    res = fsd_ext.accept(target, draft, torch.full((64, 1), vocab), rule="greedy",
+                         num_draft=torch.zeros(64, dtype=torch.int64))
+    assert torch.equal(res.tokens[:, 0], expected)
+
+
 def test_nan_rows_in_sample_and_divergence():
     logits = torch.randn(3, 20)
     logits[1, 5] = float("nan")

@@ -44,7 +44,7 @@ struct Scratch {
 struct RowStats {
   bool bad = true;     // NaN or no finite logit (or not computed: unused position)
   float max = 0.0f;
-  int64_t argmax = -1;  // filled when the rule or a greedy row needs it
+  int64_t argmax = 0;   // lowest id of the maximum
   Dist sample;          // the sampling distribution p_i / q_i
   bool has_sample = false;  // `sample` was computed (the greedy rule skips it)
 };
@@ -52,18 +52,16 @@ struct RowStats {
 // need_sampling = false (the greedy rule, which only compares and emits argmaxes) skips the
 // sampling distribution's sum, a full pass over the row. `exps`: see sum_exp.
 template <typename T>
-RowStats row_stats(const T* row, int64_t n, float tau, const SamplingFilter& filter, bool need_argmax,
-                   std::vector<float>& scratch, bool need_sampling = true, float* exps = nullptr) {
+RowStats row_stats(const T* row, int64_t n, float tau, const SamplingFilter& filter, std::vector<float>& scratch,
+                   bool need_sampling = true, float* exps = nullptr) {
   RowStats stats;
   const RowScan scan = scan_row(row, n);
   stats.bad = scan.bad;
   if (scan.bad) return stats;
   stats.max = scan.max;
-  if (need_sampling) stats.sample = sampling_dist(row, n, scan.max, tau, filter, scratch, exps);
+  stats.argmax = scan.argmax;
+  if (need_sampling) stats.sample = sampling_dist(row, n, scan, tau, filter, scratch, exps);
   stats.has_sample = need_sampling;
-  stats.argmax = stats.sample.one_hot >= 0 ? stats.sample.one_hot
-                 : need_argmax               ? first_index_of(row, n, scan.max)
-                                             : -1;
   return stats;
 }
 
@@ -119,11 +117,11 @@ struct AcceptKernel {
     float* target_exps = scratch.exps_for(scratch.target_exps, pb.target_vocab, divergence_follows);
     float* draft_exps = scratch.exps_for(scratch.draft_exps, pb.draft_vocab, divergence_follows);
     RowStats& t = target_stats[b * (k + 1) + i];
-    t = row_stats(target_row(b, i), pb.target_vocab, tau, pb.filter, greedy_rule, scratch.filter,
+    t = row_stats(target_row(b, i), pb.target_vocab, tau, pb.filter, scratch.filter,
                   need_sampling, target_exps);
     if (i == used) return;  // the bonus position has no draft
     RowStats& d = draft_stats[b * k + i];
-    d = row_stats(draft_row(b, i), pb.draft_vocab, tau, pb.filter, false, scratch.filter, need_sampling,
+    d = row_stats(draft_row(b, i), pb.draft_vocab, tau, pb.filter, scratch.filter, need_sampling,
                   draft_exps);
     if (!pb.need_divergence || t.bad || d.bad) return;
     const float div_tau = pb.div_temperature.at(b);
@@ -180,10 +178,7 @@ struct AcceptKernel {
     return inverse_cdf(pb.target_vocab, weight, mass, u);
   }
 
-  int64_t target_argmax(int64_t b, int64_t i) const {
-    const RowStats& t = target_stats[b * (pb.max_draft + 1) + i];
-    return t.argmax >= 0 ? t.argmax : first_index_of(target_row(b, i), pb.target_vocab, t.max);
-  }
+  int64_t target_argmax(int64_t b, int64_t i) const { return target_stats[b * (pb.max_draft + 1) + i].argmax; }
 
   // Phase 2: acceptance scan and the correction / bonus token of row b.
   void row(int64_t b) {
@@ -248,9 +243,9 @@ void divergence_rows(const DivergenceProblem& pb, const ParallelFor& parallel_fo
     for (int64_t r = begin; r < end; ++r) {
       const T* zt = static_cast<const T*>(pb.target_logits) + r * pb.target_stride;
       const T* zd = static_cast<const T*>(pb.draft_logits) + r * pb.draft_stride;
-      const RowStats t = row_stats(zt, pb.target_vocab, pb.temperature, no_filter, false, scratch.filter,
+      const RowStats t = row_stats(zt, pb.target_vocab, pb.temperature, no_filter, scratch.filter,
                                    true, target_exps);
-      const RowStats d = row_stats(zd, pb.draft_vocab, pb.temperature, no_filter, false, scratch.filter,
+      const RowStats d = row_stats(zd, pb.draft_vocab, pb.temperature, no_filter, scratch.filter,
                                    true, draft_exps);
       pb.out[r] = t.bad || d.bad ? kNaN
                                  : divergence(pb.divergence, zt, pb.target_vocab, t.sample, zd,
@@ -266,7 +261,7 @@ void sample_rows(const SampleProblem& pb, const ParallelFor& parallel_for) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / pb.positions, s = item % pb.positions;
       const T* row = static_cast<const T*>(pb.logits) + b * pb.stride_b + s * pb.stride_s;
-      const RowStats stats = row_stats(row, pb.vocab, pb.temperature.at(b), pb.filter, false, scratch);
+      const RowStats stats = row_stats(row, pb.vocab, pb.temperature.at(b), pb.filter, scratch);
       if (stats.bad) {
         pb.tokens[item] = -1;
         continue;

@@ -43,31 +43,46 @@ inline float inverse_temperature(float tau) {
 }
 
 struct RowScan {
-  float max = -kInf;
-  bool bad = false;  // holds NaN, or no finite logit
+  float max = -kInf;    // the largest logit as load_logit sees it (+inf counts as FLT_MAX)
+  int64_t argmax = 0;   // the lowest id holding it
+  bool bad = false;     // holds NaN, or no finite logit
 };
 
+// One pass: max, argmax (lowest id on ties) and the bad-row check. Each lane keeps the block of its
+// first maximum (an int32 block index, so the argmax costs two selects per element and rows up to
+// 2^35 ids); the lowest id among the lanes holding the row maximum wins.
 template <typename T>
 FSD_CPU_CLONES RowScan scan_row(const T* row, int64_t n) {
   float lane_max[kLanes], lane_check[kLanes];
-  for (int l = 0; l < kLanes; ++l) lane_max[l] = -kInf, lane_check[l] = 0.0f;
+  int32_t lane_block[kLanes];
+  for (int l = 0; l < kLanes; ++l) lane_max[l] = -kInf, lane_check[l] = 0.0f, lane_block[l] = 0;
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
+    const int32_t block = (int32_t)(j / kLanes);
     FSD_SIMD
     for (int l = 0; l < kLanes; ++l) {
-      const float x = to_float(row[j + l]);
-      lane_max[l] = x > lane_max[l] ? x : lane_max[l];
-      lane_check[l] += x - x;  // NaN from here on iff some x is NaN or +-inf
+      const float raw = to_float(row[j + l]);
+      const float x = raw < FLT_MAX ? raw : (raw == kInf ? FLT_MAX : raw);  // load_logit
+      const bool higher = x > lane_max[l];  // false for NaN
+      lane_max[l] = higher ? x : lane_max[l];
+      lane_block[l] = higher ? block : lane_block[l];
+      lane_check[l] += raw - raw;  // NaN from here on iff some logit is NaN or +-inf
     }
   }
-  float max = -kInf, check = 0.0f;
-  for (int l = 0; l < kLanes; ++l) max = std::max(max, lane_max[l]), check += lane_check[l];
-  for (; j < n; ++j) {
-    const float x = to_float(row[j]);
-    max = x > max ? x : max;
-    check += x - x;
-  }
   RowScan scan;
+  float check = 0.0f;
+  for (int l = 0; l < kLanes; ++l) {
+    const int64_t id = (int64_t)lane_block[l] * kLanes + l;
+    if (lane_max[l] > scan.max || (lane_max[l] == scan.max && id < scan.argmax))
+      scan.max = lane_max[l], scan.argmax = id;
+    check += lane_check[l];
+  }
+  for (; j < n; ++j) {  // the tail's ids are above every lane's: strictly higher wins
+    const float raw = to_float(row[j]);
+    const float x = load_logit(row, j);
+    if (x > scan.max) scan.max = x, scan.argmax = j;
+    check += raw - raw;
+  }
   if (check != check) {  // rare: some non-finite value, classify it
     bool has_nan = false, has_finite = false;
     for (int64_t i = 0; i < n; ++i) {
@@ -77,16 +92,7 @@ FSD_CPU_CLONES RowScan scan_row(const T* row, int64_t n) {
     }
     scan.bad = has_nan || !has_finite;
   }
-  scan.max = max < FLT_MAX ? max : FLT_MAX;
   return scan;
-}
-
-// The lowest id holding the maximum (argmax with the lowest id winning ties).
-template <typename T>
-int64_t first_index_of(const T* row, int64_t n, float max) {
-  for (int64_t j = 0; j < n; ++j)
-    if (load_logit(row, j) == max) return j;
-  return 0;
 }
 
 // sum of w(j) over [begin, end), kLanes at a time; `w` must be branch-free to vectorise.
@@ -183,12 +189,12 @@ float filter_cutoff(const T* row, int64_t n, const Dist& d, const SamplingFilter
 // Fills `d` for sampling at temperature `tau` (0 = one-hot at the argmax) under `filter`; `exps`
 // (optional, [n]) receives the exponentials, see sum_exp.
 template <typename T>
-Dist sampling_dist(const T* row, int64_t n, float max, float tau, const SamplingFilter& filter,
+Dist sampling_dist(const T* row, int64_t n, const RowScan& scan, float tau, const SamplingFilter& filter,
                    std::vector<float>& scratch, float* exps = nullptr) {
   Dist d;
-  d.max = max;
+  d.max = scan.max;
   if (tau == 0.0f) {
-    d.one_hot = first_index_of(row, n, max);
+    d.one_hot = scan.argmax;
     return d;
   }
   d.inv_tau = inverse_temperature(tau);
