@@ -144,7 +144,7 @@ auto kept_exp(const T* row, const Dist& d) {
 }
 
 // sum over j with s_j >= cut of exp(s_j). With `exps`, also stores each exp(s_j) (0 below the
-// cut) in exps[0, n): the divergence pass that follows then reads p_j = exps[j] / sum instead of
+// cut) in exps[0, n): the divergence pass that follows then takes p_j from exps[j] instead of
 // recomputing two exponentials per id, most of its arithmetic.
 template <typename T>
 double sum_exp(const T* row, int64_t n, const Dist& d, float* exps = nullptr) {
