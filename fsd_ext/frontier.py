@@ -23,9 +23,10 @@ target's argmax, and every token the target emits is that argmax, so the count i
 generated tokens that differ from the target's argmax given the same prefix. It is measured with
 one extra teacher-forced target forward over the finished sequence (not timed), for the FSD rows
 only (it is 0 by definition for AR and SD); a floating-point near-tie between that forward and the
-cached verification could add a rare spurious count. Under sampling the count needs
-per-step information from generate (`stats` field `sd_rejected_accepted`); without it the column is
-empty.
+cached verification could add a rare spurious count. Under sampling it comes from generate itself
+(`output_divergences=True`, which the FSD rows pass): each step's coins are replayed and a draft
+counts when its coin fails SD's test u q(d) <= p(d); that work is timed apart and left out of
+tokens/s. A generate function without it leaves the column empty under sampling.
 
 Outputs in --out: results.jsonl, summary.csv, summary.json (setup, machine, versions, command),
 frontier.png (pass@1 vs tokens/s with the Pareto frontier, AR and SD marked),
@@ -236,7 +237,8 @@ _STAT_NAMES = {  # our name -> the name in fsd_ext.GenerateStats (or a dict of a
     "accepted_drafts": "accepted_drafts",
     "verify_steps": "verifications",
     # Accepted drafts that plain SD would have rejected (fsd_ext.generate counts them under greedy
-    # decoding); a generate function without it gets them from a teacher-forced pass (greedy).
+    # decoding, and under sampling with output_divergences=True); a generate function without it
+    # gets them from a teacher-forced pass (greedy only).
     "sd_rejected": "sd_rejected_accepted",
     # Seconds in the prompt forwards (target and draft): the summary's decode-only tokens/s, which
     # on a CPU differs a lot from the end-to-end rate.
@@ -355,13 +357,16 @@ class HFBackend(Backend):
         kwargs = config.generate_kwargs()
         kwargs.update(max_new_tokens=max_new_tokens or self.max_new_tokens,
                       eos_token_id=self.eos_token_id, use_cuda_graphs=self.use_cuda_graphs)
+        check_sd = self.check_sd if check_sd is None else check_sd
+        if check_sd and config.temperature > 0 and config.rule in ("fsd", "fsd_strict"):
+            kwargs["output_divergences"] = True  # generate counts sampled SD rejections (timed apart)
         self._sync()
         start = time.perf_counter()
         with torch.inference_mode():
             out = self.generate_fn(self.target, self.draft, input_ids,
                                    torch.ones_like(input_ids), **kwargs)
         self._sync()
-        seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start - getattr(out.stats, "diagnostics_seconds", 0.0)
         sequence = out.sequences[0]  # [P + generated]
         new_ids = sequence[prompt_len:].tolist()
         eos = set(self.eos_token_id if isinstance(self.eos_token_id, (list, tuple))
@@ -370,7 +375,6 @@ class HFBackend(Backend):
         new_ids = [t for t in new_ids[:end] if t >= 0]  # drop any padding
         text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
         gen = stats_to_generation(out.stats, text, len(new_ids), seconds, config.rule)
-        check_sd = self.check_sd if check_sd is None else check_sd
         if config.rule in ("ar", "sd"):
             gen.sd_rejected = 0  # by definition
         elif gen.sd_rejected is None and check_sd and config.temperature == 0 and new_ids:

@@ -42,7 +42,7 @@ import torch
 from . import ops, reference
 from .cpu_linear import skinny_cpu_linears as skinny_linears_during
 from .kv_cache import StaticKVCache
-from .types import DIVERGENCES, RULES
+from .types import DIVERGENCES, PURPOSE_ACCEPT, RULES
 
 # The two ops the loop uses: the compiled kernels, or the pure-torch reference with the same contract
 # when the extension is not built. Switching is this one line.
@@ -59,7 +59,8 @@ class GenerateStats:
     rule: str
     num_draft_tokens: int
     new_tokens: int = 0  # generated tokens, all rows together
-    seconds: float = 0.0  # wall time of the whole call
+    seconds: float = 0.0  # wall time of the whole call, less diagnostics_seconds
+    diagnostics_seconds: float = 0.0  # counting sampled SD rejections (output_divergences=True)
     prefill_seconds: float = 0.0  # the prompt forwards of both models (inside seconds)
     target_forwards: int = 0  # prefill included
     target_seconds: float = 0.0
@@ -67,8 +68,10 @@ class GenerateStats:
     draft_seconds: float = 0.0
     verifications: int = 0  # target verification calls x rows verified (row-steps)
     accepted_drafts: int = 0  # accepted drafts kept in the output (none past a row's end)
-    # Greedy decoding only (temperature 0, else None): kept accepted drafts that are not the
-    # target's argmax, i.e. the tokens plain SD would have rejected (0 for sd/greedy by definition).
+    # Kept accepted drafts that plain SD would have rejected (0 for sd by definition; None for ar):
+    # greedy decoding, drafts that are not the target's argmax; sampling (only with
+    # output_divergences=True, else None), drafts whose step coin fails SD's test u q(d) <= p(d),
+    # the same Philox coin the accept call drew.
     sd_rejected_accepted: Optional[int] = None
     accepted_histogram: List[int] = field(default_factory=list)  # [K+1]: row-steps accepting n
     divergences: Optional[List[torch.Tensor]] = None  # per step, [B_active, K] float32
@@ -265,6 +268,34 @@ def _check_args(target, draft, input_ids, attention_mask, rule, divergence, thre
                              f"({device} vs {next(draft.parameters()).device})")
 
 
+def _sd_rejects(target_logits: torch.Tensor, draft_logits: torch.Tensor, drafts: torch.Tensor,
+                temperature: float, filters: dict, seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """[B, K] bool: where plain SD would reject draft d_i of this step. Greedy: d_i is not the
+    target's argmax. Sampling: the step's coin u_i (replayed from the same Philox stream accept used)
+    fails u_i q_i(d_i) <= p_i(d_i), p and q being the (filtered) sampling distributions. A fidelity
+    statistic beside the fused call: one logsumexp per row, or the reference's filters (top-p sorts
+    the vocabulary) when a filter is set."""
+    if temperature == 0.0:
+        return target_logits.argmax(-1) != drafts
+    batch, k = drafts.shape
+    coins = reference.philox_uniforms(seeds, step, batch, k, PURPOSE_ACCEPT).to(drafts.device)
+    p_draft = _prob_of(target_logits, drafts, temperature, filters)
+    q_draft = _prob_of(draft_logits, drafts, temperature, filters)
+    return coins * q_draft > p_draft
+
+
+def _prob_of(logits: torch.Tensor, ids: torch.Tensor, temperature: float, filters: dict) -> torch.Tensor:
+    """float64 [B, K]: the sampling probability of ids [B, K] under logits [B, K, V]."""
+    picked = ids[..., None]
+    if any(value is not None for value in filters.values()):
+        tau = torch.full((ids.shape[0],), float(temperature), device=logits.device)
+        log_probs = reference.sampling_logprobs(logits.float(), tau, **filters).gather(-1, picked)[..., 0]
+    else:
+        scaled = logits.float() / temperature
+        log_probs = scaled.gather(-1, picked)[..., 0] - torch.logsumexp(scaled, -1)
+    return log_probs.double().exp()
+
+
 def _row_seeds(seed, batch: int) -> torch.Tensor:
     """-> [B] int64 per-row seeds: seed + b for an int seed, a fresh one from torch's default
     generator for None (so torch.manual_seed makes runs reproducible)."""
@@ -309,7 +340,10 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         seed: int (row b uses seed + b), [B] ints, or None (drawn from torch's generator).
         use_cuda_graphs: "auto" (on for CUDA), True or False.
         streamer: a Hugging Face streamer (put/end), batch size 1 only.
-        output_divergences: keep each step's divergences in stats.divergences.
+        output_divergences: keep each step's divergences in stats.divergences and, when sampling,
+            count the accepted drafts SD would have rejected (stats.sd_rejected_accepted: replays
+            each step's coins and needs p(d), q(d), a log-softmax per drafted row and a sort under
+            top-p; timed apart in stats.diagnostics_seconds, not in stats.seconds).
         skinny_cpu_linears: "auto" (on for CPU), True or False: compute the models' few-row float32 and bfloat16
             linears the faster way during this call (fsd_ext.cpu_linear; same math, other float
             rounding than stock F.linear); the models are restored on return.
@@ -374,9 +408,10 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
             cached(prompt[:, :-1], keep=1, prefill=True)
             cached.cache.lengths.fill_(prompt_len)
         stats.prefill_seconds = time.perf_counter() - prefill_start
-        count_sd_rejections = speculative and temperature == 0.0
-        if count_sd_rejections:
-            stats.sd_rejected_accepted = 0
+        sampling = temperature > 0.0 and rule != "greedy"
+        count_sd_rejections = speculative and (not sampling or (output_divergences and rule != "sd"))
+        if count_sd_rejections or rule == "sd":
+            stats.sd_rejected_accepted = 0  # sd: by definition
 
         pending = ids[:, -1].clone()  # [B] the last token, not yet seen by any model
         last_committed = ids[:, -2].clone()  # [B] the token before it (re-read by the draft)
@@ -388,6 +423,7 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         step, draft_behind = 0, False
         while rows:
             num_rows = len(rows)
+            sd_reject_rows = None
             if not speculative:
                 logits = target_model(pending[:, None], keep=1)[:, 0]  # [B, V_t]
                 emitted = _sample(logits.float(), temperature, **sample_args, seed=seeds,
@@ -437,9 +473,14 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
                                        f"finite value at step {step}")
                 if output_divergences:
                     stats.divergences.append(result.divergence.cpu())
-                # Greedy: which drafts SD would have rejected ([B, K] bool, read only where accepted).
-                off_target = (target_logits[:, :k_step].argmax(-1) != drafts) if count_sd_rejections \
-                    else None
+                # Which drafts SD would have rejected ([B][K] bools, read only where accepted);
+                # the sampled count is a diagnostic, timed apart.
+                diagnostics_start = time.perf_counter()
+                sd_reject_rows = _sd_rejects(target_logits[:, :k_step], draft_logits, drafts,
+                                             temperature if sampling else 0.0, sample_args, seeds,
+                                             step).tolist() if count_sd_rejections else None
+                if sampling and count_sd_rejections:
+                    stats.diagnostics_seconds += time.perf_counter() - diagnostics_start
 
                 # 4. Commit pending + the accepted drafts; the emitted token is the new pending one.
                 target_model.cache.lengths += num_accepted + 1
@@ -454,7 +495,6 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
             # Host bookkeeping: append each row's new tokens, stop rows at EOS or max_new_tokens.
             keep_rows = []
             counts = num_accepted.tolist()
-            off_target_rows = off_target.tolist() if speculative and count_sd_rejections else None
             for j, (row_tokens, n) in enumerate(zip(tokens.tolist(), counts)):
                 row = rows[j]
                 new = row_tokens[:n + 1][:max_new_tokens - len(generated[row])]
@@ -466,8 +506,8 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
                 stats.verifications += 1
                 kept_drafts = min(n, len(new))  # accepted drafts past EOS / max_new_tokens are cut
                 stats.accepted_drafts += kept_drafts
-                if off_target_rows is not None:
-                    stats.sd_rejected_accepted += sum(off_target_rows[j][:kept_drafts])
+                if sd_reject_rows is not None:
+                    stats.sd_rejected_accepted += sum(sd_reject_rows[j][:kept_drafts])
                 stats.accepted_histogram[n] += 1
                 if streamer is not None and new:
                     streamer.put(torch.tensor(new))
@@ -495,5 +535,5 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         stats.target_forwards, stats.target_seconds = target_model.calls, target_model.seconds
         if draft_model is not None:
             stats.draft_forwards, stats.draft_seconds = draft_model.calls, draft_model.seconds
-        stats.seconds = time.perf_counter() - start
+        stats.seconds = time.perf_counter() - start - stats.diagnostics_seconds
         return GenerateOutput(sequences, stats)

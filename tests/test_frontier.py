@@ -488,6 +488,25 @@ def test_real_generate_on_tiny_models_if_available(tmp_path, one_thread):
     assert rows["FSD js T=0.69"]["sd_rejected_share"] > 0.5
 
 
+def test_sampled_fsd_rows_count_sd_rejections_in_generate(one_thread):
+    """Under sampling the teacher-forced check does not apply: the FSD rows ask generate to replay
+    its coins (output_divergences=True) and leave that time out of their seconds."""
+    try:
+        generate = frontier.resolve_generate()
+    except ImportError:
+        pytest.skip("fsd_ext.generate is not on this branch yet")
+    target, draft = tiny_llama(0, layers=2), tiny_llama(1)
+    backend = frontier.HFBackend(target, draft, ByteTokenizer(), max_new_tokens=10,
+                                 generate_fn=generate, use_cuda_graphs=False)
+    grid = frontier.build_grid(rules=("fsd",), divergences=("js",), thresholds={"js": (0.69,)},
+                               temperature=0.8)
+    config = next(c for c in grid if c.rule == "fsd")
+    gen = backend.complete(config, PROBLEMS[0]["prompt"])
+    stats = gen.extra["stats"]
+    assert gen.sd_rejected is not None and 0 <= gen.sd_rejected <= gen.accepted_drafts
+    assert stats["diagnostics_seconds"] > 0 and len(stats["divergences"]) == gen.verify_steps
+
+
 @pytest.mark.slow
 def test_smoke_on_real_weights(tmp_path, one_thread):
     """SmolLM2-135M-Instruct as target and draft (shipped offline): the whole CLI path on real

@@ -158,6 +158,60 @@ def test_fsd_threshold_zero_equals_sd(target, draft):
     assert 0 < sd.stats.mean_accepted < 4  # the pair disagrees sometimes: the test means something
 
 
+@pytest.mark.parametrize("filters", [{}, {"top_k": 20}])
+def test_sd_rejected_count_with_sampling_replays_the_kernels_coins(target, draft, monkeypatch, filters):
+    """With sampling (and output_divergences=True), a draft counts as one SD would have rejected
+    when its step coin fails SD's test. Checked through the kernel itself: position i's coin accepts iff an sd call whose first i
+    drafts are forced to accept (draft logits = target logits there, so u q <= p always) accepts
+    more than i drafts."""
+    import importlib
+
+    generate_module = importlib.import_module("fsd_ext.generate")
+    steps = []  # per verification step: [accept args, accept kwargs, result, sd_rejects]
+    real_accept, real_rejects = generate_module._accept, generate_module._sd_rejects
+
+    def accept_spy(*args, **kwargs):
+        steps.append([args, kwargs, real_accept(*args, **kwargs)])
+        return steps[-1][2]
+
+    def rejects_spy(*args):
+        steps[-1].append(real_rejects(*args))
+        return steps[-1][3]
+
+    monkeypatch.setattr(generate_module, "_accept", accept_spy)
+    monkeypatch.setattr(generate_module, "_sd_rejects", rejects_spy)
+    ids, mask = random_prompts([5, 8, 3], seed=6)
+    kwargs = dict(num_draft_tokens=4, max_new_tokens=24, temperature=1.0, seed=11, eos_token_id=[],
+                  **filters)
+    plain = fsd_ext.generate(target, draft, ids, mask, rule="fsd", threshold=1e9, **kwargs)
+    assert plain.stats.sd_rejected_accepted is None and plain.stats.diagnostics_seconds == 0.0
+    steps.clear()
+    out = fsd_ext.generate(target, draft, ids, mask, rule="fsd", threshold=1e9, output_divergences=True,
+                           **kwargs)
+    assert torch.equal(out.sequences, plain.sequences) and out.stats.diagnostics_seconds > 0
+    checked = rejected = 0
+    for (zt, zd, drafts), kw, result, sd_rejects in steps:
+        sd_kw = {name: kw[name] for name in ("temperature", "top_k", "top_p", "min_p", "seed",
+                                             "offset", "num_draft")}
+        for b, n in enumerate(result.num_accepted.tolist()):
+            for i in range(n):
+                forced = zd.clone()
+                forced[b, :i] = zt[b, :i]
+                sd = fsd_ext.accept(zt, forced, drafts, rule="sd", **sd_kw)
+                assert bool(sd_rejects[b, i]) == (int(sd.num_accepted[b]) == i)
+                checked += 1
+                rejected += int(sd_rejects[b, i])
+    assert checked == out.stats.accepted_drafts  # nothing cut: no EOS, max_new_tokens a multiple
+    assert out.stats.sd_rejected_accepted == rejected
+    assert 0 < rejected < checked  # the huge threshold keeps drafts SD would reject, not all of them
+
+    sd = fsd_ext.generate(target, draft, ids, mask, rule="sd", **kwargs)
+    fsd_t0 = fsd_ext.generate(target, draft, ids, mask, rule="fsd", threshold=0.0,
+                              output_divergences=True, **kwargs)
+    assert sd.stats.sd_rejected_accepted == 0 and fsd_t0.stats.sd_rejected_accepted == 0
+    assert fsd_ext.generate(target, None, ids, mask, rule="ar", **kwargs).stats.sd_rejected_accepted is None
+
+
 def test_per_row_threshold(target, draft):
     ids, mask = random_prompts([5, 5], seed=6)
     kwargs = dict(rule="fsd", num_draft_tokens=4, max_new_tokens=15, seed=[3, 4], eos_token_id=[],
