@@ -463,14 +463,19 @@ def test_hf_backend_end_to_end_on_tiny_models(tmp_path, one_thread):
     assert all(r["new_tokens"] == 24 for r in rows)
 
 
-def test_real_generate_on_tiny_models_if_available(tmp_path, one_thread):
+def real_backend_on_tiny_models():
+    """An HFBackend driving the real fsd_ext.generate on two tiny random Llamas (10 new tokens)."""
     try:
         generate = frontier.resolve_generate()
     except ImportError:
         pytest.skip("fsd_ext.generate is not on this branch yet")
     target, draft = tiny_llama(0, layers=2), tiny_llama(1)
-    backend = frontier.HFBackend(target, draft, ByteTokenizer(), max_new_tokens=10,
-                                 generate_fn=generate, use_cuda_graphs=False)
+    return frontier.HFBackend(target, draft, ByteTokenizer(), max_new_tokens=10,
+                              generate_fn=generate, use_cuda_graphs=False)
+
+
+def test_real_generate_on_tiny_models_if_available(tmp_path, one_thread):
+    backend = real_backend_on_tiny_models()
     store = frontier.ResultStore(str(tmp_path / "results.jsonl"))
     configs = frontier.build_grid(rules=("ar", "sd", "fsd"), divergences=("js",),
                                   thresholds={"js": (0.0, 0.69)})
@@ -491,13 +496,7 @@ def test_real_generate_on_tiny_models_if_available(tmp_path, one_thread):
 def test_sampled_fsd_rows_count_sd_rejections_in_generate(one_thread):
     """Under sampling the teacher-forced check does not apply: the FSD rows ask generate to replay
     its coins (output_divergences=True) and leave that time out of their seconds."""
-    try:
-        generate = frontier.resolve_generate()
-    except ImportError:
-        pytest.skip("fsd_ext.generate is not on this branch yet")
-    target, draft = tiny_llama(0, layers=2), tiny_llama(1)
-    backend = frontier.HFBackend(target, draft, ByteTokenizer(), max_new_tokens=10,
-                                 generate_fn=generate, use_cuda_graphs=False)
+    backend = real_backend_on_tiny_models()
     grid = frontier.build_grid(rules=("fsd",), divergences=("js",), thresholds={"js": (0.69,)},
                                temperature=0.8)
     config = next(c for c in grid if c.rule == "fsd")
