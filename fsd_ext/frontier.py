@@ -18,15 +18,15 @@ continues where it left off. The summary aggregates per configuration (seeds poo
     sd_rejected_share      accepted drafts that SD alone would have rejected / accepted drafts
     target_calls, draft_calls, target_s, draft_s, wall_s (generate plus scoring)
 
-"SD alone would have rejected": under greedy decoding SD accepts a draft exactly when it equals the
-target's argmax, and every token the target emits is that argmax, so the count is the number of
-generated tokens that differ from the target's argmax given the same prefix. It is measured with
-one extra teacher-forced target forward over the finished sequence (not timed), for the FSD rows
-only (it is 0 by definition for AR and SD); a floating-point near-tie between that forward and the
-cached verification could add a rare spurious count. Under sampling it comes from generate itself
-(`output_divergences=True`, which the FSD rows pass): each step's coins are replayed and a draft
-counts when its coin fails SD's test u q(d) <= p(d); that work is timed apart and left out of
-tokens/s. A generate function without it leaves the column empty under sampling.
+"SD alone would have rejected" (0 by definition for AR and SD) comes from fsd_ext.generate's
+`stats.sd_rejected_accepted`. Under greedy decoding SD accepts a draft exactly when it equals the
+target's argmax, so generate counts the accepted drafts that are not. Under sampling the FSD rows
+pass `output_divergences=True`: generate replays each step's coins and counts the accepted drafts
+whose coin fails SD's test u q(d) <= p(d), timed apart and left out of tokens/s. A generate
+function without that statistic gets the greedy count from one extra teacher-forced target
+forward over the finished sequence (not timed; a floating-point near-tie between that forward and
+the cached verification could add a rare spurious count) and leaves the column empty under
+sampling.
 
 Outputs in --out: results.jsonl, summary.csv, summary.json (setup, machine, versions, command),
 frontier.png (pass@1 vs tokens/s with the Pareto frontier, AR and SD marked),
@@ -879,7 +879,8 @@ def add_arguments(parser: argparse.ArgumentParser):
     run.add_argument("--warmup-tokens", type=int, default=16,
                      help="an untimed decode of this many tokens before each configuration (0: none)")
     run.add_argument("--no-sd-check", action="store_true",
-                     help="skip the teacher-forced target pass that counts accepted drafts SD would reject")
+                     help="do not count accepted drafts SD would reject under sampling (generate's "
+                          "coin replay) or with a generate lacking the count (a teacher-forced pass)")
     run.add_argument("--order", choices=("config", "problem"), default="config",
                      help="config: one configuration after the other (a progress bar each); problem: "
                           "every configuration on each problem in turn, so load changes on a shared "

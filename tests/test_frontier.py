@@ -486,10 +486,10 @@ def test_real_generate_on_tiny_models_if_available(tmp_path, one_thread):
     texts = {r["group"]: r["generated_text"] for r in store.records.values()}
     assert texts["sd/K=5/greedy"] == texts["ar/greedy"] == texts["fsd/js/T=0/K=5/greedy"]
     assert rows["SD"]["sd_rejected_share"] == 0.0
-    assert rows["FSD js T=0"]["sd_rejected_share"] == 0.0  # counted by the teacher-forced pass
+    assert rows["FSD js T=0"]["sd_rejected_share"] == 0.0  # counted by generate (greedy)
     assert rows["FSD js T=0.69"]["mean_accepted"] >= rows["SD"]["mean_accepted"]
     # Two unrelated random models: near-uniform outputs, tiny JS, so FSD accepts drafts that are
-    # mostly not the target's argmax, and the teacher-forced pass counts them.
+    # mostly not the target's argmax, and generate counts them.
     assert rows["FSD js T=0.69"]["sd_rejected_share"] > 0.5
 
 
