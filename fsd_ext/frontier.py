@@ -243,6 +243,8 @@ _STAT_NAMES = {  # our name -> the name in fsd_ext.GenerateStats (or a dict of a
     # Seconds in the prompt forwards (target and draft): the summary's decode-only tokens/s, which
     # on a CPU differs a lot from the end-to-end rate.
     "prefill_seconds": "prefill_seconds",
+    # Seconds generate spent on diagnostics (the sampled SD-rejection count), left out of the timing.
+    "diagnostics_seconds": "diagnostics_seconds",
 }
 
 
@@ -366,7 +368,7 @@ class HFBackend(Backend):
             out = self.generate_fn(self.target, self.draft, input_ids,
                                    torch.ones_like(input_ids), **kwargs)
         self._sync()
-        seconds = time.perf_counter() - start - getattr(out.stats, "diagnostics_seconds", 0.0)
+        seconds = time.perf_counter() - start - (_stat(out.stats, "diagnostics_seconds") or 0.0)
         sequence = out.sequences[0]  # [P + generated]
         new_ids = sequence[prompt_len:].tolist()
         eos = set(self.eos_token_id if isinstance(self.eos_token_id, (list, tuple))

@@ -272,28 +272,18 @@ def _sd_rejects(target_logits: torch.Tensor, draft_logits: torch.Tensor, drafts:
                 temperature: float, filters: dict, seeds: torch.Tensor, step: int) -> torch.Tensor:
     """[B, K] bool: where plain SD would reject draft d_i of this step. Greedy: d_i is not the
     target's argmax. Sampling: the step's coin u_i (replayed from the same Philox stream accept used)
-    fails u_i q_i(d_i) <= p_i(d_i), p and q being the (filtered) sampling distributions. A fidelity
-    statistic beside the fused call: one logsumexp per row, or the reference's filters (top-p sorts
-    the vocabulary) when a filter is set."""
+    fails u_i q_i(d_i) <= p_i(d_i), p and q being the (filtered) sampling distributions of the
+    reference (the spec the kernels are tested against). A fidelity statistic beside the fused call:
+    a log-softmax per drafted row, a sort of the vocabulary under top-p."""
     if temperature == 0.0:
         return target_logits.argmax(-1) != drafts
     batch, k = drafts.shape
     coins = reference.philox_uniforms(seeds, step, batch, k, PURPOSE_ACCEPT).to(drafts.device)
-    p_draft = _prob_of(target_logits, drafts, temperature, filters)
-    q_draft = _prob_of(draft_logits, drafts, temperature, filters)
+    tau = torch.full((batch,), float(temperature), device=drafts.device)
+    p_draft, q_draft = (reference.sampling_logprobs(logits.float(), tau, **filters)
+                        .gather(-1, drafts[..., None])[..., 0].double().exp()
+                        for logits in (target_logits, draft_logits))
     return coins * q_draft > p_draft
-
-
-def _prob_of(logits: torch.Tensor, ids: torch.Tensor, temperature: float, filters: dict) -> torch.Tensor:
-    """float64 [B, K]: the sampling probability of ids [B, K] under logits [B, K, V]."""
-    picked = ids[..., None]
-    if any(value is not None for value in filters.values()):
-        tau = torch.full((ids.shape[0],), float(temperature), device=logits.device)
-        log_probs = reference.sampling_logprobs(logits.float(), tau, **filters).gather(-1, picked)[..., 0]
-    else:
-        scaled = logits.float() / temperature
-        log_probs = scaled.gather(-1, picked)[..., 0] - torch.logsumexp(scaled, -1)
-    return log_probs.double().exp()
 
 
 def _row_seeds(seed, batch: int) -> torch.Tensor:

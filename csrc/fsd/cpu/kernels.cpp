@@ -32,13 +32,13 @@ struct Scratch {
   std::vector<float> filter;  // a copy of one row for the filter cutoffs
   // exp(s_j) of the target and draft rows, stored by their sum passes when a divergence follows
   std::vector<float> target_exps, draft_exps;
-
-  float* exps_for(std::vector<float>& exps, int64_t n, bool wanted) {
-    if (!wanted) return nullptr;
-    exps.resize(n);
-    return exps.data();
-  }
 };
+
+// `buffer` grown to n floats (it never shrinks).
+float* at_least(std::vector<float>& buffer, int64_t n) {
+  if ((int64_t)buffer.size() < n) buffer.resize(n);
+  return buffer.data();
+}
 
 // Everything phase 2 needs to know about one vocabulary row (one model, one position).
 struct RowStats {
@@ -114,8 +114,8 @@ struct AcceptKernel {
     const bool greedy_rule = pb.rule == Rule::Greedy;
     const bool need_sampling = !greedy_rule || (pb.need_divergence && pb.div_uses_sampling);
     const bool divergence_follows = pb.need_divergence && i < used;
-    float* target_exps = scratch.exps_for(scratch.target_exps, pb.target_vocab, divergence_follows);
-    float* draft_exps = scratch.exps_for(scratch.draft_exps, pb.draft_vocab, divergence_follows);
+    float* target_exps = divergence_follows ? at_least(scratch.target_exps, pb.target_vocab) : nullptr;
+    float* draft_exps = divergence_follows ? at_least(scratch.draft_exps, pb.draft_vocab) : nullptr;
     RowStats& t = target_stats[b * (k + 1) + i];
     t = row_stats(target_row(b, i), pb.target_vocab, tau, pb.filter, scratch.filter,
                   need_sampling, target_exps);
@@ -238,8 +238,8 @@ void divergence_rows(const DivergenceProblem& pb, const ParallelFor& parallel_fo
   parallel_for(pb.rows, 1, [&](int64_t begin, int64_t end) {
     thread_local Scratch scratch;
     const SamplingFilter no_filter;
-    float* target_exps = scratch.exps_for(scratch.target_exps, pb.target_vocab, true);
-    float* draft_exps = scratch.exps_for(scratch.draft_exps, pb.draft_vocab, true);
+    float* target_exps = at_least(scratch.target_exps, pb.target_vocab);
+    float* draft_exps = at_least(scratch.draft_exps, pb.draft_vocab);
     for (int64_t r = begin; r < end; ++r) {
       const T* zt = static_cast<const T*>(pb.target_logits) + r * pb.target_stride;
       const T* zd = static_cast<const T*>(pb.draft_logits) + r * pb.draft_stride;
@@ -257,11 +257,11 @@ void divergence_rows(const DivergenceProblem& pb, const ParallelFor& parallel_fo
 template <typename T>
 void sample_rows(const SampleProblem& pb, const ParallelFor& parallel_for) {
   parallel_for(pb.batch * pb.positions, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch;
+    thread_local Scratch scratch;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / pb.positions, s = item % pb.positions;
       const T* row = static_cast<const T*>(pb.logits) + b * pb.stride_b + s * pb.stride_s;
-      const RowStats stats = row_stats(row, pb.vocab, pb.temperature.at(b), pb.filter, scratch);
+      const RowStats stats = row_stats(row, pb.vocab, pb.temperature.at(b), pb.filter, scratch.filter);
       if (stats.bad) {
         pb.tokens[item] = -1;
         continue;
