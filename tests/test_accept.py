@@ -193,6 +193,34 @@ def test_sample_op_matches_reference(filters, temperature):
     assert fsd_ext.sample(logits[:, 0], seed=0).shape == (16,)
 
 
+def _filter_rows(shape: str, rows: int, vocab: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, vocab, generator=gen)
+    if shape == "flat":  # top-p walks cover most ids
+        return x * 0.5
+    if shape == "peaked":  # top-p walks end within tens of ids
+        return x * 6.0
+    if shape == "ties":  # six values: ties at every cutoff
+        return torch.randint(0, 6, (rows, vocab), generator=gen).float()
+    x = x * 3.0  # "masked": a few thousand ids in the walk, -inf and huge negative logits
+    x[:, ::3] = float("-inf")
+    x[:, 1::7] = -1e9
+    return x
+
+
+@pytest.mark.parametrize("shape", ["flat", "peaked", "ties", "masked"])
+@pytest.mark.parametrize("filters", [dict(top_k=50), dict(top_k=1500), dict(top_p=0.5), dict(top_p=0.95),
+                                     dict(top_k=1500, top_p=0.9), dict(top_k=200, top_p=0.99, min_p=0.001)])
+def test_filter_cutoffs_of_short_and_long_walks(shape, filters):
+    """Filters whose cutoff lies among the largest few values (one selection pass) or deep in the
+    row (the bucket walk) sample as the reference does; the C++ test checks the cutoffs themselves."""
+    logits = _filter_rows(shape, 16, 6007)
+    for seed in range(3):
+        seeds = torch.arange(16) + 100 * seed
+        tokens = fsd_ext.sample(logits, temperature=0.8, seed=seeds, **filters)
+        assert torch.equal(tokens, reference.sample(logits, temperature=0.8, seed=seeds, **filters))
+
+
 def test_uniforms_op_equals_reference_philox():
     for seed in (0, 1, -5, 2**62 + 3):
         for purpose, code in (("accept", 1), ("sample", 2), ("draft", 3)):

@@ -1,11 +1,13 @@
 // One-vocabulary-row primitives of the CPU kernels: statistics, filter cutoffs, divergence sums and
 // inverse-CDF sampling, each a single pass (or less) over the logits with no probability array
-// materialised. Scratch: a copy of the row for the optional filters, double arrays for div_top_k
-// buckets, and the exp(s_j) a sum pass stores for the divergence pass that follows it.
+// materialised. Scratch: the candidate values of the filter cutoffs (the largest few, not the
+// row), double arrays for div_top_k buckets, and the exp(s_j) a sum pass stores for the
+// divergence pass that follows it.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -156,31 +158,184 @@ double sum_exp(const T* row, int64_t n, const Dist& d, float* exps = nullptr) {
   });
 }
 
+// The m largest scaled values s_j >= floor (and > -inf) of a row, unordered, in `out`: all of them
+// when fewer qualify. One pass and no copy of the row: a block of ids whose largest logit cannot
+// qualify (s is monotone in the logit) is skipped after a vectorised max; qualifying values go to a
+// buffer that is cut back to its m largest (nth_element) whenever it fills, after which only values
+// above the m-th largest so far qualify (an equal one cannot change the m largest values).
+template <typename T>
+FSD_CPU_CLONES void largest_scaled(const T* row, int64_t n, const Dist& d, int64_t m, float floor,
+                                   std::vector<float>& out) {
+  constexpr int64_t kBlock = 4 * kLanes;
+  const size_t capacity = (size_t)std::max<int64_t>(2 * m, m + 1024);
+  out.clear();
+  out.reserve(capacity);
+  float bar = std::max(floor, -FLT_MAX);  // -inf never qualifies
+  bool strict = false;                     // s >= bar until the first cut, then s > bar
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t end = std::min(n, start + kBlock);
+    float block_max = -kInf;
+    if (end - start == kBlock) {
+      float lane[kLanes];
+      for (int l = 0; l < kLanes; ++l) lane[l] = -kInf;
+      for (int64_t j = start; j < end; j += kLanes) {
+        FSD_SIMD
+        for (int l = 0; l < kLanes; ++l) {
+          const float x = load_logit(row, j + l);
+          lane[l] = x > lane[l] ? x : lane[l];
+        }
+      }
+      for (int l = 0; l < kLanes; ++l) block_max = std::max(block_max, lane[l]);
+    } else {
+      for (int64_t j = start; j < end; ++j) block_max = std::max(block_max, load_logit(row, j));
+    }
+    const float top = d.scaled(block_max);
+    if (strict ? !(top > bar) : !(top >= bar)) continue;
+    for (int64_t j = start; j < end; ++j) {
+      const float s = d.scaled(load_logit(row, j));
+      if (strict ? !(s > bar) : !(s >= bar)) continue;
+      out.push_back(s);
+      if (out.size() < capacity) continue;
+      std::nth_element(out.begin(), out.begin() + (m - 1), out.end(), std::greater<float>());
+      out.resize(m);
+      bar = out[m - 1];  // the m-th largest so far
+      strict = true;
+    }
+  }
+  if ((int64_t)out.size() > m) {
+    std::nth_element(out.begin(), out.begin() + (m - 1), out.end(), std::greater<float>());
+    out.resize(m);
+  }
+}
+
+// Cutoff walks. A walk visits the kept values of a row (finite s_j >= floor) in descending order,
+// adding each one's weight (1 for top-k, exp(s_j) for top-p), and stops at the value that brings
+// the cumulative weight to `target`: that value is the cutoff (ties at it are kept). A walk that
+// never gets there (fewer than k finite values; top-p left short by rounding) keeps every value.
+// Only the end of the walk is sorted: see walk_cutoff.
+enum class Walk { Count, Mass };
+
+template <Walk W>
+FSD_ALWAYS_INLINE float walk_weight(float s) {
+  return W == Walk::Count ? 1.0f : exp_nonpositive(s);
+}
+
+// Walks `sorted` (descending) on from `cumulative`; the value that reaches `target`, or NaN.
+template <Walk W>
+float walk_sorted(const std::vector<float>& sorted, double target, double& cumulative) {
+  for (const float s : sorted) {
+    cumulative += (double)walk_weight<W>(s);
+    if (!(cumulative < target)) return s;
+  }
+  return std::numeric_limits<float>::quiet_NaN();
+}
+
+// The smallest kept value (finite s_j >= floor; 0 when none).
+template <typename T>
+FSD_CPU_CLONES float smallest_kept(const T* row, int64_t n, const Dist& d, float floor) {
+  float lane[kLanes];
+  for (int l = 0; l < kLanes; ++l) lane[l] = 0.0f;  // s <= 0: the maximum's s = 0 bounds it
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    FSD_SIMD
+    for (int l = 0; l < kLanes; ++l) {
+      const float s = d.scaled(load_logit(row, j + l));
+      lane[l] = s >= floor && s > -kInf && s < lane[l] ? s : lane[l];
+    }
+  }
+  float smallest = 0.0f;
+  for (int l = 0; l < kLanes; ++l) smallest = std::min(smallest, lane[l]);
+  for (; j < n; ++j) {
+    const float s = d.scaled(load_logit(row, j));
+    if (s >= floor && s > -kInf) smallest = std::min(smallest, s);
+  }
+  return smallest;
+}
+
+// A walk over all kept values in three passes with no sort of the row: the weights in kBuckets
+// buckets of s (equal widths from 0 down to the smallest kept value or -88, below which exp is 0
+// and everything shares the last bucket), the bucket where the cumulative weight reaches
+// `target`, then that bucket's values alone sorted and walked.
+template <Walk W, typename T>
+FSD_CPU_CLONES float walk_buckets(const T* row, int64_t n, const Dist& d, float floor, double target,
+                                  std::vector<float>& scratch) {
+  constexpr int kBuckets = 2048;
+  constexpr int64_t kBlock = 4 * kLanes;
+  const float lo = std::max(smallest_kept(row, n, d, floor), -88.0f);
+  const float scale = lo < 0.0f ? (float)(kBuckets - 1) / -lo : 0.0f;
+  auto bucket_of = [scale](float s) FSD_INLINE_LAMBDA {  // s <= 0; NaN (s = -inf, scale 0) -> last
+    const float x = -s * scale;
+    return x < (float)(kBuckets - 1) ? (int32_t)x : kBuckets - 1;
+  };
+  auto kept = [floor](float s) FSD_INLINE_LAMBDA { return s >= floor && s > -kInf; };
+  double weights[kBuckets] = {};
+  int32_t bucket[kBlock];
+  float weight[kBlock];
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t count = std::min<int64_t>(kBlock, n - start);
+    FSD_SIMD
+    for (int64_t l = 0; l < count; ++l) {  // buckets and weights vectorised, then added one by one
+      const float s = d.scaled(load_logit(row, start + l));
+      bucket[l] = bucket_of(s);
+      weight[l] = kept(s) ? walk_weight<W>(s) : 0.0f;
+    }
+    for (int64_t l = 0; l < count; ++l) weights[bucket[l]] += (double)weight[l];
+  }
+  double cumulative = 0.0;
+  int32_t found = 0;
+  for (; found < kBuckets && cumulative + weights[found] < target; ++found) cumulative += weights[found];
+  if (found == kBuckets) return -kInf;
+  scratch.clear();
+  float value[kBlock];
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t count = std::min<int64_t>(kBlock, n - start);
+    int32_t hits = 0;
+    for (int64_t l = 0; l < count; ++l) {  // vectorised test first: most blocks hold none
+      value[l] = d.scaled(load_logit(row, start + l));
+      hits += kept(value[l]) && bucket_of(value[l]) == found;
+    }
+    for (int64_t l = 0; hits > 0 && l < count; ++l)
+      if (kept(value[l]) && bucket_of(value[l]) == found) scratch.push_back(value[l]);
+  }
+  std::sort(scratch.begin(), scratch.end(), std::greater<float>());
+  const float cutoff = walk_sorted<W>(scratch, target, cumulative);
+  // NaN: this bucket's weights added in another order fell short by a rounding; it ends here anyway.
+  return cutoff == cutoff || scratch.empty() ? cutoff : scratch.back();
+}
+
+// The cutoff of a walk (see Walk) to `target` over the kept values (finite s_j >= floor), -inf if
+// the walk keeps every value. Most walks end within the row's largest few values (top-k with a
+// small k; top-p on a peaked distribution): those are selected in one pass, sorted and walked;
+// longer walks take walk_buckets.
+template <Walk W, typename T>
+float walk_cutoff(const T* row, int64_t n, const Dist& d, float floor, double target, std::vector<float>& scratch) {
+  constexpr int64_t kFewValues = 256;  // above ~1000 one bucket walk is faster than this selection
+  const int64_t few = W == Walk::Count ? (int64_t)target : kFewValues;
+  if (few <= kFewValues) {
+    largest_scaled(row, n, d, few, floor, scratch);
+    std::sort(scratch.begin(), scratch.end(), std::greater<float>());
+    double cumulative = 0.0;
+    const float cutoff = walk_sorted<W>(scratch, target, cumulative);
+    if (cutoff == cutoff) return cutoff;
+    if ((int64_t)scratch.size() < few) return -kInf;  // these were all the kept values
+  }
+  const float cutoff = walk_buckets<W>(row, n, d, floor, target, scratch);
+  return cutoff == cutoff ? cutoff : -kInf;
+}
+
 // The filter cutoff in s-space (see SamplingFilter): top-k, then top-p on the renormalised top-k
-// set, then min-p. Uses `scratch` for a copy of the row.
+// set, then min-p. Ties at a cutoff are kept. `scratch` holds candidate values.
 template <typename T>
 float filter_cutoff(const T* row, int64_t n, const Dist& d, const SamplingFilter& filter,
                     std::vector<float>& scratch) {
   float cut = -kInf;
-  scratch.resize(n);
-  for (int64_t j = 0; j < n; ++j) scratch[j] = d.scaled(load_logit(row, j));
-  if (filter.top_k > 0 && filter.top_k < n) {
-    std::nth_element(scratch.begin(), scratch.begin() + (filter.top_k - 1), scratch.end(), std::greater<float>());
-    cut = scratch[filter.top_k - 1];
-  }
+  if (filter.top_k > 0 && filter.top_k < n)
+    cut = walk_cutoff<Walk::Count>(row, n, d, -kInf, (double)filter.top_k, scratch);
   if (filter.top_p < 1.0f) {
-    auto kept_end = std::partition(scratch.begin(), scratch.end(), [&](float s) { return s >= cut && s > -kInf; });
-    std::sort(scratch.begin(), kept_end, std::greater<float>());
-    const int64_t kept = kept_end - scratch.begin();
-    double total = 0.0;
-    for (int64_t i = 0; i < kept; ++i) total += std::exp((double)scratch[i]);
-    double cumulative = 0.0;
-    int64_t last = 0;
-    for (; last < kept - 1; ++last) {
-      cumulative += std::exp((double)scratch[last]) / total;
-      if (!(cumulative < (double)filter.top_p)) break;
-    }
-    cut = std::max(cut, scratch[std::max<int64_t>(0, last)]);
+    Dist top_k_kept = d;
+    top_k_kept.cut = cut;
+    const double total = sum_exp(row, n, top_k_kept);  // the same float exponentials as the walk
+    cut = std::max(cut, walk_cutoff<Walk::Mass>(row, n, d, cut, (double)filter.top_p * total, scratch));
   }
   if (filter.min_p > 0.0f) cut = std::max(cut, (float)std::log((double)filter.min_p));
   return cut;

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <random>
 #include <vector>
 
 #include "fsd/cpu/kernels.h"
@@ -201,6 +202,102 @@ void test_skinny_gemm() {
 
 }  // namespace
 
+// The filter cutoff by sorting the whole row: what filter_cutoff computes without a sort (same float
+// s_j, same float weights summed in double). `near`: the top-p walk passes within `slack` of its
+// target, where another summation order may stop one value earlier or later.
+float sorted_cutoff(const std::vector<float>& z, const fsd::cpu::Dist& d, const fsd::SamplingFilter& f,
+                    double slack, bool& near) {
+  using fsd::cpu::exp_nonpositive;
+  const int64_t n = (int64_t)z.size();
+  std::vector<float> s(n);
+  for (int64_t j = 0; j < n; ++j) s[j] = d.scaled(fsd::cpu::load_logit(z.data(), j));
+  std::sort(s.begin(), s.end(), std::greater<float>());
+  float cut = -INFINITY;
+  if (f.top_k > 0 && f.top_k < n) cut = s[f.top_k - 1];
+  near = false;
+  if (f.top_p < 1.0f) {
+    double total = 0.0;
+    for (float v : s) total += v >= cut && v > -INFINITY ? (double)exp_nonpositive(v) : 0.0;
+    const double target = (double)f.top_p * total;
+    double cumulative = 0.0;
+    for (float v : s) {
+      if (!(v >= cut && v > -INFINITY)) break;
+      const double before = cumulative;
+      cumulative += (double)exp_nonpositive(v);
+      near |= std::fabs(before - target) <= slack * total || std::fabs(cumulative - target) <= slack * total;
+      if (!(cumulative < target)) {
+        cut = std::max(cut, v);
+        break;
+      }
+    }
+  }
+  if (f.min_p > 0.0f) cut = std::max(cut, std::log(f.min_p));
+  return cut;
+}
+
+// filter_cutoff (a short walk over the largest few values, or the bucket walk) equals sorting the
+// row, over shapes that put the walk's end among the largest 256 values or deep in the row, ties
+// at the cutoff, a narrow value range, -inf and huge negative logits, fewer finite values than k.
+void test_filter_cutoffs_equal_sorting() {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal;
+  std::vector<float> scratch;
+  int compared = 0, skipped = 0;
+  for (int64_t n : {1000, 6007, 151936}) {
+    for (int shape = 0; shape < 7; ++shape) {
+      std::vector<float> z(n);
+      for (int64_t j = 0; j < n; ++j) {
+        const float x = normal(rng);
+        switch (shape) {
+          case 0: z[j] = 0.5f * x; break;                            // flat: walks cover most ids
+          case 1: z[j] = 3.0f * x; break;                            // a few thousand ids
+          case 2: z[j] = 6.0f * x; break;                            // peaked: tens of ids
+          case 3: z[j] = (float)(rng() % 6); break;                  // six values, ties everywhere
+          case 4: z[j] = 1e-3f * x; break;                           // a narrow range of values
+          case 5: z[j] = j % 3 == 0 ? -INFINITY : j % 7 == 1 ? -1e9f : 3.0f * x; break;
+          case 6: z[j] = 12.0f * (float)j / (float)n + x; break;     // rising: the selection cuts often
+        }
+      }
+      if (shape == 5 && n == 1000) std::fill(z.begin() + 10, z.end(), -INFINITY);  // < k finite
+      const float max = *std::max_element(z.begin(), z.end());
+      for (float tau : {1.0f, 0.7f, 2.0f}) {
+        fsd::cpu::Dist d;
+        d.max = max;
+        d.inv_tau = 1.0f / tau;
+        const fsd::SamplingFilter filters[] = {
+            {1, 1.0f, 0.0f},    {50, 1.0f, 0.0f},    {256, 1.0f, 0.0f},  {257, 1.0f, 0.0f},
+            {1500, 1.0f, 0.0f}, {n - 1, 1.0f, 0.0f}, {0, 0.3f, 0.0f},    {0, 0.9f, 0.0f},
+            {0, 0.99f, 0.0f},   {1500, 0.9f, 0.0f},  {200, 0.95f, 0.01f}};
+        for (const fsd::SamplingFilter& f : filters) {
+          bool near = false;
+          const float expected = sorted_cutoff(z, d, f, 1e-6, near);
+          if (near) {
+            ++skipped;
+            continue;
+          }
+          ++compared;
+          const float cut = fsd::cpu::filter_cutoff(z.data(), n, d, f, scratch);
+          if (!(cut == expected)) {
+            std::fprintf(stderr, "n=%lld shape=%d tau=%g top_k=%lld top_p=%g: cutoff %.9g, sorting %.9g\n",
+                         (long long)n, shape, tau, (long long)f.top_k, f.top_p, cut, expected);
+            ++failures;
+          }
+        }
+      }
+    }
+  }
+  EXPECT(compared >= 9 * (compared + skipped) / 10);  // the comparison is not mostly skipped
+
+  // top_k = 2: the selection's buffer (k + 1024 values) fills at 1025, is cut to {1025, 1024}, and
+  // the last value, 1024.5, must still get in: the cutoff is the 2nd largest, 1024.5.
+  std::vector<float> rising(1027);
+  for (int j = 0; j < 1026; ++j) rising[j] = (float)j;
+  rising[1026] = 1024.5f;
+  fsd::cpu::Dist d;
+  d.max = 1025.0f;
+  EXPECT(fsd::cpu::filter_cutoff(rising.data(), 1027, d, {2, 1.0f, 0.0f}, scratch) == -0.5f);
+}
+
 int main() {
   test_skinny_gemm();
   test_philox_known_answer();
@@ -210,6 +307,7 @@ int main() {
   test_rules_table();
   test_divergences_by_hand();
   test_accept_end_to_end();
+  test_filter_cutoffs_equal_sorting();
   if (failures) {
     std::fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;
