@@ -128,6 +128,26 @@ def test_div_top_k_buckets():
             torch.testing.assert_close(d, r, rtol=1e-5, atol=1e-6)
 
 
+def test_div_top_k_ties_filters_and_a_smaller_draft_vocab():
+    """The k bucket ids: lowest ids on ties at the k-th value; a filtered p with fewer than k kept
+    ids (the rest of the k are -inf ids, lowest first); top ids the draft cannot propose."""
+    gen = torch.Generator().manual_seed(14)
+    tied = torch.randint(0, 5, (8, 1, 3001), generator=gen).float()  # ~600 ids at each value
+    draft = torch.randn(8, 1, 3001, generator=gen)
+    for k in (1, 3, 50, 700, 2000):
+        for kind in DIVERGENCES:
+            d = fsd_ext.divergence(tied[:, 0], draft[:, 0], kind=kind, top_k=k)
+            r = reference.divergence(tied[:, 0], draft[:, 0], kind=kind, top_k=k)
+            torch.testing.assert_close(d, r, rtol=1e-5, atol=1e-6)
+    target, draft, tokens = make_problem(16, 3, 900, draft_vocab=870, seed=15)
+    target[..., 870:] += 3.0  # the most probable target ids lie beyond the draft vocabulary
+    for temperature in (0.0, 0.8):
+        kernel, ref = both(target, draft, tokens, rule="fsd", divergence="js", threshold=0.3, top_k=5,
+                           temperature=temperature, div_temperature=None, div_top_k=20, seed=3,
+                           return_divergence=True)
+        assert_same_result(kernel, ref)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", DIVERGENCES)
 def test_divergence_op(dtype, kind):

@@ -131,7 +131,7 @@ struct AcceptKernel {
                                    draft_exps);
     pb.divergences[b * k + i] = divergence(pb.divergence, target_row(b, i), pb.target_vocab, p,
                                            draft_row(b, i), pb.draft_vocab, q, pb.div_top_k,
-                                           target_exps, draft_exps);
+                                           scratch.filter, target_exps, draft_exps);
   }
 
   bool row_valid(int64_t b) const {
@@ -249,7 +249,8 @@ void divergence_rows(const DivergenceProblem& pb, const ParallelFor& parallel_fo
                                    true, draft_exps);
       pb.out[r] = t.bad || d.bad ? kNaN
                                  : divergence(pb.divergence, zt, pb.target_vocab, t.sample, zd,
-                                              pb.draft_vocab, d.sample, pb.top_k, target_exps, draft_exps);
+                                              pb.draft_vocab, d.sample, pb.top_k, scratch.filter, target_exps,
+                                              draft_exps);
     }
   });
 }

@@ -1,8 +1,8 @@
 // One-vocabulary-row primitives of the CPU kernels: statistics, filter cutoffs, divergence sums and
 // inverse-CDF sampling, each a single pass (or less) over the logits with no probability array
-// materialised. Scratch: the candidate values of the filter cutoffs (the largest few, not the
-// row), double arrays for div_top_k buckets, and the exp(s_j) a sum pass stores for the
-// divergence pass that follows it.
+// materialised. Scratch: candidate values of the filter cutoffs and of div_top_k's k-th value (the
+// largest few or one bucket of them, never a copy of the row), and the exp(s_j) a sum pass stores
+// for the divergence pass that follows it.
 #pragma once
 
 #include <algorithm>
@@ -158,6 +158,20 @@ double sum_exp(const T* row, int64_t n, const Dist& d, float* exps = nullptr) {
   });
 }
 
+// take(j) for each id j in [0, n) with pick(j), in ascending order. `pick` (branch-free) runs over
+// blocks of ids first as one vectorised count, so a block without a pick costs one pass of it.
+template <typename Pick, typename Take>
+FSD_ALWAYS_INLINE void for_each_picked(int64_t n, const Pick& pick, const Take& take) {
+  constexpr int64_t kBlock = 4 * kLanes;
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t end = std::min(n, start + kBlock);
+    int32_t hits = 0;
+    for (int64_t j = start; j < end; ++j) hits += pick(j) ? 1 : 0;
+    for (int64_t j = start; hits > 0 && j < end; ++j)
+      if (pick(j)) take(j);
+  }
+}
+
 // The m largest scaled values s_j >= floor (and > -inf) of a row, unordered, in `out`: all of them
 // when fewer qualify. One pass and no copy of the row: a block of ids whose largest logit cannot
 // qualify (s is monotone in the logit) is skipped after a vectorised max; qualifying values go to a
@@ -286,17 +300,13 @@ FSD_CPU_CLONES float walk_buckets(const T* row, int64_t n, const Dist& d, float 
   for (; found < kBuckets && cumulative + weights[found] < target; ++found) cumulative += weights[found];
   if (found == kBuckets) return -kInf;
   scratch.clear();
-  float value[kBlock];
-  for (int64_t start = 0; start < n; start += kBlock) {
-    const int64_t count = std::min<int64_t>(kBlock, n - start);
-    int32_t hits = 0;
-    for (int64_t l = 0; l < count; ++l) {  // vectorised test first: most blocks hold none
-      value[l] = d.scaled(load_logit(row, start + l));
-      hits += kept(value[l]) && bucket_of(value[l]) == found;
-    }
-    for (int64_t l = 0; hits > 0 && l < count; ++l)
-      if (kept(value[l]) && bucket_of(value[l]) == found) scratch.push_back(value[l]);
-  }
+  for_each_picked(
+      n,
+      [&](int64_t j) FSD_INLINE_LAMBDA {
+        const float s = d.scaled(load_logit(row, j));
+        return kept(s) && bucket_of(s) == found;
+      },
+      [&](int64_t j) { scratch.push_back(d.scaled(load_logit(row, j))); });
   std::sort(scratch.begin(), scratch.end(), std::greater<float>());
   const float cutoff = walk_sorted<W>(scratch, target, cumulative);
   // NaN: this bucket's weights added in another order fell short by a rounding; it ends here anyway.
@@ -433,27 +443,61 @@ double divergence_sum_stored(const T* zt, const float* exps_t, int64_t vt, const
   return split_weight(vd, both, target_only).sum(0, vt);
 }
 
-// div_top_k: the divergence over k+1 buckets, the k most probable ids under p (lowest id on ties)
-// and one bucket with the rest of the mass, for p and q alike. A slow path with double scratch.
+// The k ids of div_top_k's buckets, ascending: the k most probable under p, lowest ids on ties.
+// Their log p: s_j where kept, -inf elsewhere (one-hot: 0 at one_hot), so the k-th largest value
+// is a top-k walk (walk_cutoff); every id above it is in, and the lowest ids at it fill the k.
+template <typename T>
+std::vector<int64_t> top_ids(const T* zt, int64_t vt, const Dist& p, int64_t k, std::vector<float>& scratch) {
+  std::vector<int64_t> top, ties;
+  if (p.one_hot >= 0) {
+    top.push_back(p.one_hot);
+    for (int64_t j = 0; (int64_t)top.size() < k; ++j)
+      if (j != p.one_hot) top.push_back(j);
+  } else {
+    const float kth = walk_cutoff<Walk::Count>(zt, vt, p, p.cut, (double)k, scratch);
+    auto key = [p](float logit) FSD_INLINE_LAMBDA {
+      const float s = p.scaled(logit);
+      return s >= p.cut ? s : -kInf;
+    };
+    for_each_picked(
+        vt, [&](int64_t j) FSD_INLINE_LAMBDA { return key(load_logit(zt, j)) >= kth; },
+        [&](int64_t j) {
+          if (key(load_logit(zt, j)) > kth) top.push_back(j);  // fewer than k of these
+          else if ((int64_t)ties.size() < k) ties.push_back(j);
+        });
+    ties.resize(std::min<size_t>(ties.size(), (size_t)k - top.size()));
+    top.insert(top.end(), ties.begin(), ties.end());
+  }
+  std::sort(top.begin(), top.end());
+  return top;
+}
+
+// div_top_k: the divergence over k+1 buckets, the k most probable ids under p (top_ids) and one
+// bucket with the rest of the mass, for p and q alike; the rest is summed over the gaps between
+// the k ids (vectorised). Any p and q (cutoffs, one-hot).
 template <Divergence D, typename T>
 double divergence_bucketed(const T* zt, int64_t vt, const Dist& p, const T* zd, int64_t vd, const Dist& q,
-                           int64_t k) {
-  std::vector<double> lp(vt), lq(vt);
-  for (int64_t j = 0; j < vt; ++j) {
-    lp[j] = p.log_prob(load_logit(zt, j), j);
-    lq[j] = j < vd ? q.log_prob(load_logit(zd, j), j) : -(double)kInf;
-  }
-  std::vector<int64_t> ids(vt);
-  std::iota(ids.begin(), ids.end(), 0);
-  auto more_probable = [&](int64_t a, int64_t b) { return lp[a] > lp[b] || (lp[a] == lp[b] && a < b); };
-  std::nth_element(ids.begin(), ids.begin() + (k - 1), ids.end(), more_probable);
-  double rest_p = 0.0, rest_q = 0.0, total = 0.0;
-  for (int64_t i = k; i < vt; ++i) rest_p += std::exp(lp[ids[i]]), rest_q += std::exp(lq[ids[i]]);
+                           int64_t k, std::vector<float>& scratch) {
+  const std::vector<int64_t> top = top_ids(zt, vt, p, k, scratch);
   const PreciseLog log_fn;
-  for (int64_t i = 0; i < k; ++i) {
-    const double a = lp[ids[i]], b = lq[ids[i]];
+  double total = 0.0;
+  for (const int64_t j : top) {
+    const double a = p.log_prob(load_logit(zt, j), j);
+    const double b = j < vd ? q.log_prob(load_logit(zd, j), j) : -(double)kInf;
     total += divergence_term<D>(std::exp(a), a, std::exp(b), b, log_fn);
   }
+  auto rest_of = [&top](const T* row, int64_t n, const Dist& d) -> double {
+    if (d.one_hot >= 0) return d.one_hot < n && !std::binary_search(top.begin(), top.end(), d.one_hot) ? 1.0 : 0.0;
+    const auto weight = kept_exp(row, d);
+    double rest = 0.0;
+    int64_t begin = 0;
+    for (const int64_t id : top) {
+      rest += sum_range(begin, std::min(id, n), weight);
+      begin = id + 1;
+    }
+    return (rest + sum_range(begin, n, weight)) / d.sum;
+  };
+  const double rest_p = rest_of(zt, vt, p), rest_q = rest_of(zd, vd, q);
   return total + divergence_term<D>(rest_p, std::log(rest_p), rest_q, std::log(rest_q), log_fn);
 }
 
@@ -461,14 +505,14 @@ double divergence_bucketed(const T* zt, int64_t vt, const Dist& p, const T* zd, 
 // and q.sum, used when both distributions are plain.
 template <typename T>
 float divergence(Divergence kind, const T* zt, int64_t vt, const Dist& p, const T* zd, int64_t vd,
-                 const Dist& q, int64_t bucket_top_k, const float* exps_t = nullptr,
-                 const float* exps_d = nullptr) {
+                 const Dist& q, int64_t bucket_top_k, std::vector<float>& scratch,
+                 const float* exps_t = nullptr, const float* exps_d = nullptr) {
   const bool bucketed = bucket_top_k > 0 && bucket_top_k < vt;
   const bool general = !p.plain() || !q.plain();
   const bool stored = exps_t != nullptr && exps_d != nullptr;
   auto run = [&](auto tag) -> double {
     constexpr Divergence kKind = decltype(tag)::value;
-    if (bucketed) return divergence_bucketed<kKind>(zt, vt, p, zd, vd, q, bucket_top_k);
+    if (bucketed) return divergence_bucketed<kKind>(zt, vt, p, zd, vd, q, bucket_top_k, scratch);
     if (stored && !general) return divergence_sum_stored<kKind>(zt, exps_t, vt, p, zd, exps_d, vd, q);
     return divergence_sum<kKind>(zt, vt, p, zd, vd, q);
   };
