@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <numeric>
 #include <vector>
 
 #include "fsd/common.h"
@@ -229,6 +228,9 @@ FSD_CPU_CLONES void largest_scaled(const T* row, int64_t n, const Dist& d, int64
 // Only the end of the walk is sorted: see walk_cutoff.
 enum class Walk { Count, Mass };
 
+// Whether a walk visits value s: finite and at least `floor`.
+FSD_ALWAYS_INLINE bool walk_visits(float s, float floor) { return s >= floor && s > -kInf; }
+
 template <Walk W>
 FSD_ALWAYS_INLINE float walk_weight(float s) {
   return W == Walk::Count ? 1.0f : exp_nonpositive(s);
@@ -254,14 +256,14 @@ FSD_CPU_CLONES float smallest_kept(const T* row, int64_t n, const Dist& d, float
     FSD_SIMD
     for (int l = 0; l < kLanes; ++l) {
       const float s = d.scaled(load_logit(row, j + l));
-      lane[l] = s >= floor && s > -kInf && s < lane[l] ? s : lane[l];
+      lane[l] = walk_visits(s, floor) && s < lane[l] ? s : lane[l];
     }
   }
   float smallest = 0.0f;
   for (int l = 0; l < kLanes; ++l) smallest = std::min(smallest, lane[l]);
   for (; j < n; ++j) {
     const float s = d.scaled(load_logit(row, j));
-    if (s >= floor && s > -kInf) smallest = std::min(smallest, s);
+    if (walk_visits(s, floor)) smallest = std::min(smallest, s);
   }
   return smallest;
 }
@@ -281,7 +283,6 @@ FSD_CPU_CLONES float walk_buckets(const T* row, int64_t n, const Dist& d, float 
     const float x = -s * scale;
     return x < (float)(kBuckets - 1) ? (int32_t)x : kBuckets - 1;
   };
-  auto kept = [floor](float s) FSD_INLINE_LAMBDA { return s >= floor && s > -kInf; };
   double weights[kBuckets] = {};
   int32_t bucket[kBlock];
   float weight[kBlock];
@@ -291,7 +292,7 @@ FSD_CPU_CLONES float walk_buckets(const T* row, int64_t n, const Dist& d, float 
     for (int64_t l = 0; l < count; ++l) {  // buckets and weights vectorised, then added one by one
       const float s = d.scaled(load_logit(row, start + l));
       bucket[l] = bucket_of(s);
-      weight[l] = kept(s) ? walk_weight<W>(s) : 0.0f;
+      weight[l] = walk_visits(s, floor) ? walk_weight<W>(s) : 0.0f;
     }
     for (int64_t l = 0; l < count; ++l) weights[bucket[l]] += (double)weight[l];
   }
@@ -304,7 +305,7 @@ FSD_CPU_CLONES float walk_buckets(const T* row, int64_t n, const Dist& d, float 
       n,
       [&](int64_t j) FSD_INLINE_LAMBDA {
         const float s = d.scaled(load_logit(row, j));
-        return kept(s) && bucket_of(s) == found;
+        return walk_visits(s, floor) && bucket_of(s) == found;
       },
       [&](int64_t j) { scratch.push_back(d.scaled(load_logit(row, j))); });
   std::sort(scratch.begin(), scratch.end(), std::greater<float>());
