@@ -6,11 +6,16 @@ Fused CPU/CUDA kernels for the verification step (`accept`), the divergences (`d
 decoding loop over a pair of Hugging Face causal LMs.
 """
 
+from importlib import metadata as _metadata
+
 from . import reference
 from .generate import GenerateOutput, GenerateStats, generate
 from .ops import accept, divergence, philox_uniforms, sample
 from .types import DIVERGENCES, RULES, AcceptResult
 
-__version__ = "0.1.0"
+try:  # one source of the version: pyproject.toml, through the installed metadata
+    __version__ = _metadata.version("fsd-ext")
+except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "unknown"
 __all__ = ["accept", "divergence", "sample", "philox_uniforms", "reference", "AcceptResult",
            "RULES", "DIVERGENCES", "generate", "GenerateOutput", "GenerateStats"]
