@@ -246,7 +246,7 @@ def _check_args(target, draft, input_ids, attention_mask, rule, divergence, thre
     if isinstance(threshold, torch.Tensor):
         if threshold.shape != (input_ids.shape[0],) or not threshold.is_floating_point() \
                 or (threshold < 0).any():
-            raise ValueError(f"threshold must be a float >= 0 or a [B] float tensor >= 0")
+            raise ValueError("threshold must be a float >= 0 or a [B] float tensor >= 0")
     elif not isinstance(threshold, numbers.Real) or not threshold >= 0:
         raise ValueError(f"threshold must be a float >= 0, got {threshold!r}")
     if use_cuda_graphs not in ("auto", True, False):
@@ -305,6 +305,191 @@ def _row_seeds(seed, batch: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 # The loop.
 
+@dataclass
+class _Settings:
+    """generate()'s arguments, resolved once (defaults filled in, rule="greedy" as temperature 0)."""
+
+    rule: str
+    k: int  # drafts per step (0 for ar)
+    temperature: float
+    sample_args: dict  # top_k, top_p, min_p
+    accept_args: dict  # everything fsd_ext.accept takes besides the tensors, seed and offset
+    max_new_tokens: int
+    eos_ids: List[int]
+    output_divergences: bool
+    draft_vocab: int  # ids >= this are replaced by 0 before the draft reads them (0: no draft)
+
+    @property
+    def speculative(self) -> bool:
+        return self.rule != "ar"
+
+    @property
+    def sampling(self) -> bool:
+        return self.temperature > 0.0
+
+    @property
+    def count_sd_rejections(self) -> bool:
+        """Greedy: always (cheap). Sampling: only with output_divergences (replays coins, softmaxes)."""
+        return self.speculative and (not self.sampling or (self.output_divergences and self.rule != "sd"))
+
+    def for_draft(self, ids: torch.Tensor) -> torch.Tensor:
+        """A smaller draft vocabulary can't read the target-only ids the target may emit: the draft
+        sees id 0 instead (this only changes what it proposes; the target verifies every token)."""
+        return ids.masked_fill(ids >= self.draft_vocab, 0) if self.draft_vocab else ids
+
+
+@dataclass
+class _StepOutput:
+    """What one step emitted for each active row."""
+
+    tokens: torch.Tensor  # [B, k_step + 1] accepted drafts, then the correction/bonus token, then -1
+    num_accepted: torch.Tensor  # [B]
+    k_step: int = 0  # drafts this step (0 for ar)
+    sd_rejects: Optional[List[List[bool]]] = None  # [B][k_step]: drafts plain SD would reject
+
+
+class _Decoder:
+    """The loop's state between steps: the active rows with their pending token, seed and threshold,
+    the two cached models, and what every row has generated so far."""
+
+    def __init__(self, settings: _Settings, target_model: _CachedModel,
+                 draft_model: Optional[_CachedModel], ids: torch.Tensor, seeds: torch.Tensor,
+                 threshold, stats: GenerateStats, streamer):
+        self.settings, self.stats, self.streamer = settings, stats, streamer
+        self.target_model, self.draft_model = target_model, draft_model
+        self.models = [m for m in (target_model, draft_model) if m is not None]
+        self.device = ids.device
+        self.pending = ids[:, -1].clone()  # [B] the last token, not yet seen by any model
+        self.last_committed = ids[:, -2].clone()  # [B] the token before it (re-read by the draft)
+        self.seeds, self.threshold = seeds, threshold  # [B]; float or [B]
+        self.rows = list(range(ids.shape[0]))  # original row index of each active batch row
+        self.generated: List[List[int]] = [[] for _ in self.rows]
+        self.step = 0
+        self.draft_behind = False  # some row accepted all its drafts last step (see module doc)
+
+    def run(self) -> List[List[int]]:
+        """Step until every row has stopped -> each row's generated tokens."""
+        while self.rows:
+            out = self._speculative_step() if self.settings.speculative else self._ar_step()
+            self.pending = out.tokens[torch.arange(len(self.rows), device=self.device),
+                                      out.num_accepted]  # [B]
+            if (self.pending < 0).any():
+                raise RuntimeError(f"the logits hold NaN or no finite value at step {self.step}")
+            self.step += 1
+            keep_rows = self._record(out)
+            if len(keep_rows) < len(self.rows):
+                self._drop_finished(keep_rows)
+        return self.generated
+
+    def _ar_step(self) -> _StepOutput:
+        """The target alone: one one-token forward and one sample per row."""
+        s = self.settings
+        logits = self.target_model(self.pending[:, None], keep=1)[:, 0]  # [B, V_t]
+        emitted = _sample(logits.float(), s.temperature, **s.sample_args, seed=self.seeds,
+                          offset=self.step).to(self.device)  # [B]
+        self.target_model.cache.lengths += 1
+        return _StepOutput(emitted[:, None], torch.zeros_like(emitted))  # [B, 1], [B]
+
+    def _speculative_step(self) -> _StepOutput:
+        """Draft, verify, accept (module doc, steps 1-3); commits the accepted prefix to the target's
+        cache."""
+        s = self.settings
+        # Near max_new_tokens, draft only what the neediest row can still keep (>= 1 draft). Row b
+        # uses num_draft[b] of them (its own cap), so its tokens do not depend on the other rows.
+        row_caps = [max(1, min(s.k, s.max_new_tokens - len(self.generated[row]) - 1))
+                    for row in self.rows]
+        k_step = max(row_caps)
+        num_draft = (torch.tensor(row_caps, dtype=torch.int64, device=self.device)
+                     if min(row_caps) < k_step else None)  # [B] or None (all k_step)
+        draft_logits, drafts = self._draft(k_step)  # [B, k_step, V_d], [B, k_step]
+
+        # Verify: the target reads pending and the drafts in one forward; accept: one fused call.
+        verify_input = torch.cat([self.pending[:, None], drafts], 1)  # [B, k_step+1]
+        target_logits = self.target_model(verify_input, keep=k_step + 1).float()  # [B, k_step+1, V_t]
+        result = _accept(target_logits, draft_logits, drafts, threshold=self.threshold,
+                         num_draft=num_draft, **s.accept_args, seed=self.seeds, offset=self.step)
+        if not bool(result.valid.all()):
+            bad = [self.rows[j] for j in (~result.valid).nonzero()[:, 0].tolist()]
+            raise RuntimeError(f"the target or draft logits of row(s) {bad} hold NaN or no finite "
+                               f"value at step {self.step}")
+        out = _StepOutput(result.tokens.to(self.device), result.num_accepted.to(self.device), k_step)
+        if s.output_divergences:
+            self.stats.divergences.append(result.divergence.cpu())
+        if s.count_sd_rejections:  # a fidelity diagnostic; sampled, it is timed apart
+            start = time.perf_counter()
+            out.sd_rejects = _sd_rejects(target_logits[:, :k_step], draft_logits, drafts,
+                                         s.temperature, s.sample_args, self.seeds, self.step).tolist()
+            if s.sampling:
+                self.stats.diagnostics_seconds += time.perf_counter() - start
+
+        # Commit pending + the accepted drafts (rejected entries lie past the new length).
+        self.target_model.cache.lengths += out.num_accepted + 1
+        last_accepted = drafts[torch.arange(len(self.rows), device=self.device),
+                               (out.num_accepted - 1).clamp_min(0)]  # [B]
+        self.last_committed = torch.where(out.num_accepted > 0, last_accepted, self.pending)
+        return out
+
+    def _draft(self, k_step: int):
+        """k_step one-token draft forwards -> (logits [B, k_step, V_d] float32, drafts [B, k_step]).
+        The first forward also re-reads the last committed token when the draft is one behind."""
+        s, draft_model = self.settings, self.draft_model
+        if self.draft_behind:
+            draft_model.cache.lengths.copy_(self.target_model.cache.lengths - 1)
+            draft_input = torch.stack([self.last_committed, self.pending], 1)  # [B, 2]
+        else:
+            draft_model.cache.lengths.copy_(self.target_model.cache.lengths)
+            draft_input = self.pending[:, None]  # [B, 1]
+        draft_logits, drafts = [], []
+        for i in range(k_step):
+            logits = draft_model(s.for_draft(draft_input), keep=1)[:, 0].float()  # [B, V_d]
+            draft_model.cache.lengths += draft_input.shape[1]
+            token = _sample(logits, s.temperature, **s.sample_args, seed=self.seeds,
+                            offset=self.step * s.k + i).to(self.device)  # [B]
+            draft_logits.append(logits)
+            drafts.append(token)
+            draft_input = token[:, None]  # [B, 1]
+        return torch.stack(draft_logits, 1), torch.stack(drafts, 1)
+
+    def _record(self, out: _StepOutput) -> List[int]:
+        """Host bookkeeping: append each row's new tokens (cut at EOS and max_new_tokens), count,
+        stream -> the batch indices of the rows that go on."""
+        s, stats = self.settings, self.stats
+        keep_rows = []
+        counts = out.num_accepted.tolist()
+        for j, (row_tokens, n) in enumerate(zip(out.tokens.tolist(), counts)):
+            generated = self.generated[self.rows[j]]
+            new = row_tokens[:n + 1][:s.max_new_tokens - len(generated)]
+            stop = next((i for i, t in enumerate(new) if t in s.eos_ids), None)
+            if stop is not None:
+                new = new[:stop + 1]
+            generated.extend(new)
+            stats.new_tokens += len(new)
+            stats.verifications += 1
+            kept_drafts = min(n, len(new))  # accepted drafts past EOS / max_new_tokens are cut
+            stats.accepted_drafts += kept_drafts
+            if out.sd_rejects is not None:
+                stats.sd_rejected_accepted += sum(out.sd_rejects[j][:kept_drafts])
+            stats.accepted_histogram[n] += 1
+            if self.streamer is not None and new:
+                self.streamer.put(torch.tensor(new))
+            if stop is None and len(generated) < s.max_new_tokens:
+                keep_rows.append(j)
+        # Only a row that used and accepted all k_step drafts left d_{k_step-1} unread.
+        self.draft_behind = s.speculative and any(counts[j] == out.k_step for j in keep_rows)
+        return keep_rows
+
+    def _drop_finished(self, keep_rows: List[int]) -> None:
+        """Finished rows leave the batch, the caches and every per-row tensor."""
+        keep = torch.tensor(keep_rows, dtype=torch.int64, device=self.device)  # [B']
+        self.rows = [self.rows[j] for j in keep_rows]
+        for cached in self.models:
+            cached.select(keep)
+        self.pending, self.last_committed = self.pending[keep], self.last_committed[keep]
+        self.seeds = self.seeds[keep]
+        if isinstance(self.threshold, torch.Tensor):
+            self.threshold = self.threshold[keep]
+
+
 @torch.no_grad()
 def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
              *, rule: str = "fsd", divergence: str = "js",
@@ -350,180 +535,78 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
                 skinny_cpu_linears)
     start = time.perf_counter()
     device = next(target.parameters()).device
+    use_graphs = device.type == "cuda" if use_cuda_graphs == "auto" else bool(use_cuda_graphs)
+    if use_graphs and device.type != "cuda":
+        raise ValueError("use_cuda_graphs=True needs the models on a CUDA device")
+    settings = _settings(target, draft, rule, divergence, num_draft_tokens, temperature, top_k,
+                         top_p, min_p, div_temperature, max_new_tokens, eos_token_id,
+                         output_divergences)
+    if pad_token_id is None:
+        pad_token_id = getattr(target.generation_config, "pad_token_id", None)
+        pad_token_id = pad_token_id if pad_token_id is not None else (
+            settings.eos_ids[0] if settings.eos_ids else 0)
     fast_linears = device.type == "cpu" if skinny_cpu_linears == "auto" else bool(skinny_cpu_linears)
-    with skinny_linears_during(target, draft if rule != "ar" else None, enabled=fast_linears):
+    with skinny_linears_during(target, draft if settings.speculative else None, enabled=fast_linears):
         batch, prompt_len = input_ids.shape
-        speculative = rule != "ar"
-        k = int(num_draft_tokens) if speculative else 0
-        temperature = 0.0 if rule == "greedy" else float(temperature)
-        use_graphs = device.type == "cuda" if use_cuda_graphs == "auto" else bool(use_cuda_graphs)
-        if use_graphs and device.type != "cuda":
-            raise ValueError("use_cuda_graphs=True needs the models on a CUDA device")
-        eos_ids = _as_ids(eos_token_id if eos_token_id is not None
-                          else getattr(target.generation_config, "eos_token_id", None), "eos_token_id")
-        if pad_token_id is None:
-            pad_token_id = getattr(target.generation_config, "pad_token_id", None)
-            pad_token_id = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
         seeds = _row_seeds(seed, batch).to(device)  # [B]
-        sample_args = dict(top_k=top_k, top_p=top_p, min_p=min_p)
-        accept_args = dict(rule=rule, divergence=divergence, temperature=temperature,
-                           div_temperature=div_temperature, **sample_args,
-                           return_divergence=output_divergences)
         if isinstance(threshold, torch.Tensor):
             threshold = threshold.to(device, torch.float32)  # [B] per-row thresholds
 
-        # One extra padding slot in front of every row (never attended to), so that the prefill of all
-        # but the last prompt token is never empty and `last_committed` always exists.
+        # One extra padding slot in front of every row (never attended to), so that the prefill of
+        # all but the last prompt token is never empty and `last_committed` always exists.
         input_ids = input_ids.to(device, torch.int64)
         prompt_mask = (torch.ones_like(input_ids) if attention_mask is None
                        else attention_mask.to(device, torch.int64))  # [B, P]
         pad = 1 + (prompt_mask == 0).sum(1)  # [B] leading padding slots per row
         ids = torch.cat([torch.full_like(input_ids[:, :1], pad_token_id), input_ids], 1)  # [B, P+1]
-        capacity = prompt_len + 1 + max_new_tokens + k + 1
+        capacity = prompt_len + 1 + max_new_tokens + settings.k + 1
+        target_model = _CachedModel(target, pad, capacity, use_graphs)
+        draft_model = _CachedModel(draft, pad, capacity, use_graphs) if settings.speculative else None
 
-        stats = GenerateStats(rule=rule, num_draft_tokens=k, accepted_histogram=[0] * (k + 1),
+        stats = GenerateStats(rule=rule, num_draft_tokens=settings.k,
+                              accepted_histogram=[0] * (settings.k + 1),
                               divergences=[] if output_divergences else None)
-        models = [_CachedModel(target, pad, capacity, use_graphs)]
-        if speculative:
-            models.append(_CachedModel(draft, pad, capacity, use_graphs))
-        target_model = models[0]
-        draft_model = models[1] if speculative else None
-        # A smaller draft vocabulary can't read the target-only ids the target may emit: the draft sees
-        # id 0 instead (this only changes what it proposes; the target still verifies every token).
-        draft_vocab = _vocab_size(draft) if speculative else 0
-        for_draft = (lambda t: t.masked_fill(t >= draft_vocab, 0)) if speculative and \
-            draft_vocab < _vocab_size(target) else (lambda t: t)
-        prefill_start = time.perf_counter()
-        for cached, prompt in zip(models, (ids, for_draft(ids))):  # prefill all but the last token
-            cached(prompt[:, :-1], keep=1, prefill=True)
-            cached.cache.lengths.fill_(prompt_len)
-        stats.prefill_seconds = time.perf_counter() - prefill_start
-        sampling = temperature > 0.0 and rule != "greedy"
-        count_sd_rejections = speculative and (not sampling or (output_divergences and rule != "sd"))
-        if count_sd_rejections or rule == "sd":
+        if settings.count_sd_rejections or rule == "sd":
             stats.sd_rejected_accepted = 0  # sd: by definition
+        prefill_start = time.perf_counter()
+        for cached, prompt in ((target_model, ids), (draft_model, settings.for_draft(ids))):
+            if cached is not None:  # prefill all but the last token
+                cached(prompt[:, :-1], keep=1, prefill=True)
+                cached.cache.lengths.fill_(prompt_len)
+        stats.prefill_seconds = time.perf_counter() - prefill_start
 
-        pending = ids[:, -1].clone()  # [B] the last token, not yet seen by any model
-        last_committed = ids[:, -2].clone()  # [B] the token before it (re-read by the draft)
-        rows = list(range(batch))  # original row index of each active batch row
-        generated: List[List[int]] = [[] for _ in range(batch)]
         if streamer is not None:
             streamer.put(input_ids.cpu())
-
-        step, draft_behind = 0, False
-        while rows:
-            num_rows = len(rows)
-            sd_reject_rows = None
-            if not speculative:
-                logits = target_model(pending[:, None], keep=1)[:, 0]  # [B, V_t]
-                emitted = _sample(logits.float(), temperature, **sample_args, seed=seeds,
-                                  offset=step).to(device)  # [B]
-                tokens, num_accepted = emitted[:, None], torch.zeros_like(emitted)  # [B, 1], [B]
-                target_model.cache.lengths += 1
-            else:
-                # 1. Draft K tokens, one forward each; the first also re-reads the last committed token
-                #    when the draft is one behind (some row accepted all its drafts last step). Near
-                #    max_new_tokens, draft only what the neediest row can still keep (>= 1 draft).
-                #    Row b uses num_draft[b] of them (its own cap), so its tokens do not depend on
-                #    the other rows of the batch.
-                row_caps = [max(1, min(k, max_new_tokens - len(generated[row]) - 1)) for row in rows]
-                k_step = max(row_caps)
-                num_draft = (torch.tensor(row_caps, dtype=torch.int64, device=device)
-                             if min(row_caps) < k_step else None)  # [B] or None (all k_step)
-                if draft_behind:
-                    draft_model.cache.lengths.copy_(target_model.cache.lengths - 1)
-                    draft_input = torch.stack([last_committed, pending], 1)  # [B, 2]
-                else:
-                    draft_model.cache.lengths.copy_(target_model.cache.lengths)
-                    draft_input = pending[:, None]  # [B, 1]
-                draft_logits, drafts = [], []
-                for i in range(k_step):
-                    logits = draft_model(for_draft(draft_input), keep=1)[:, 0].float()  # [B, V_d]
-                    draft_model.cache.lengths += draft_input.shape[1]
-                    token = _sample(logits, temperature, **sample_args, seed=seeds,
-                                    offset=step * k + i).to(device)  # [B]
-                    draft_logits.append(logits)
-                    drafts.append(token)
-                    draft_input = token[:, None]  # [B, 1]
-                draft_logits = torch.stack(draft_logits, 1)  # [B, k_step, V_d]
-                drafts = torch.stack(drafts, 1)  # [B, k_step]
-
-                # 2. Verify: the target reads pending and the K drafts in one forward.
-                verify_input = torch.cat([pending[:, None], drafts], 1)  # [B, K+1]
-                target_logits = target_model(verify_input, keep=k_step + 1).float()  # [B, k_step+1, V_t]
-
-                # 3. Accept: one fused call.
-                result = _accept(target_logits, draft_logits, drafts, threshold=threshold,
-                                 num_draft=num_draft, **accept_args, seed=seeds, offset=step)
-                tokens = result.tokens.to(device)  # [B, k_step+1]
-                num_accepted = result.num_accepted.to(device)  # [B]
-                if not bool(result.valid.all()):
-                    bad = [rows[j] for j in (~result.valid).nonzero()[:, 0].tolist()]
-                    raise RuntimeError(f"the target or draft logits of row(s) {bad} hold NaN or no "
-                                       f"finite value at step {step}")
-                if output_divergences:
-                    stats.divergences.append(result.divergence.cpu())
-                # Which drafts SD would have rejected ([B][K] bools, read only where accepted);
-                # the sampled count is a diagnostic, timed apart.
-                diagnostics_start = time.perf_counter()
-                sd_reject_rows = _sd_rejects(target_logits[:, :k_step], draft_logits, drafts,
-                                             temperature if sampling else 0.0, sample_args, seeds,
-                                             step).tolist() if count_sd_rejections else None
-                if sampling and count_sd_rejections:
-                    stats.diagnostics_seconds += time.perf_counter() - diagnostics_start
-
-                # 4. Commit pending + the accepted drafts; the emitted token is the new pending one.
-                target_model.cache.lengths += num_accepted + 1
-                arange = torch.arange(num_rows, device=device)
-                last_committed = torch.where(num_accepted > 0,
-                                             drafts[arange, (num_accepted - 1).clamp_min(0)], pending)
-            pending = tokens[torch.arange(num_rows, device=device), num_accepted]  # [B]
-            if (pending < 0).any():
-                raise RuntimeError(f"the logits hold NaN or no finite value at step {step}")
-            step += 1
-
-            # Host bookkeeping: append each row's new tokens, stop rows at EOS or max_new_tokens.
-            keep_rows = []
-            counts = num_accepted.tolist()
-            for j, (row_tokens, n) in enumerate(zip(tokens.tolist(), counts)):
-                row = rows[j]
-                new = row_tokens[:n + 1][:max_new_tokens - len(generated[row])]
-                stop = next((i for i, t in enumerate(new) if t in eos_ids), None)
-                if stop is not None:
-                    new = new[:stop + 1]
-                generated[row].extend(new)
-                stats.new_tokens += len(new)
-                stats.verifications += 1
-                kept_drafts = min(n, len(new))  # accepted drafts past EOS / max_new_tokens are cut
-                stats.accepted_drafts += kept_drafts
-                if sd_reject_rows is not None:
-                    stats.sd_rejected_accepted += sum(sd_reject_rows[j][:kept_drafts])
-                stats.accepted_histogram[n] += 1
-                if streamer is not None and new:
-                    streamer.put(torch.tensor(new))
-                if stop is None and len(generated[row]) < max_new_tokens:
-                    keep_rows.append(j)
-            # Only a row that used and accepted all k_step drafts left d_{k_step-1} unread.
-            draft_behind = speculative and any(counts[j] == k_step for j in keep_rows)
-            if len(keep_rows) < num_rows:  # finished rows leave the batch (and the caches)
-                keep = torch.tensor(keep_rows, dtype=torch.int64, device=device)  # [B']
-                rows = [rows[j] for j in keep_rows]
-                for cached in models:
-                    cached.select(keep)
-                pending, last_committed, seeds = pending[keep], last_committed[keep], seeds[keep]
-                if isinstance(threshold, torch.Tensor):
-                    threshold = threshold[keep]
-
+        generated = _Decoder(settings, target_model, draft_model, ids, seeds, threshold, stats,
+                             streamer).run()
         if streamer is not None:
             streamer.end()
-        width = max(len(g) for g in generated)
-        new_part = torch.full((batch, width), pad_token_id, dtype=torch.int64)  # [B, N]
-        for row, tokens_of_row in enumerate(generated):
-            new_part[row, :len(tokens_of_row)] = torch.tensor(tokens_of_row, dtype=torch.int64)
-        sequences = torch.cat([input_ids.cpu(), new_part], 1).to(device)  # [B, P + N]
 
-        stats.target_forwards, stats.target_seconds = target_model.calls, target_model.seconds
-        if draft_model is not None:
-            stats.draft_forwards, stats.draft_seconds = draft_model.calls, draft_model.seconds
-        stats.seconds = time.perf_counter() - start - stats.diagnostics_seconds
-        return GenerateOutput(sequences, stats)
+    width = max(len(g) for g in generated)
+    new_part = torch.full((batch, width), pad_token_id, dtype=torch.int64)  # [B, N]
+    for row, tokens_of_row in enumerate(generated):
+        new_part[row, :len(tokens_of_row)] = torch.tensor(tokens_of_row, dtype=torch.int64)
+    sequences = torch.cat([input_ids.cpu(), new_part], 1).to(device)  # [B, P + N]
+    stats.target_forwards, stats.target_seconds = target_model.calls, target_model.seconds
+    if draft_model is not None:
+        stats.draft_forwards, stats.draft_seconds = draft_model.calls, draft_model.seconds
+    stats.seconds = time.perf_counter() - start - stats.diagnostics_seconds
+    return GenerateOutput(sequences, stats)
+
+
+def _settings(target, draft, rule, divergence, num_draft_tokens, temperature, top_k, top_p, min_p,
+              div_temperature, max_new_tokens, eos_token_id, output_divergences) -> _Settings:
+    speculative = rule != "ar"
+    temperature = 0.0 if rule == "greedy" else float(temperature)
+    sample_args = dict(top_k=top_k, top_p=top_p, min_p=min_p)
+    eos_ids = _as_ids(eos_token_id if eos_token_id is not None
+                      else getattr(target.generation_config, "eos_token_id", None), "eos_token_id")
+    draft_vocab = _vocab_size(draft) if speculative else 0
+    return _Settings(
+        rule=rule, k=int(num_draft_tokens) if speculative else 0, temperature=temperature,
+        sample_args=sample_args,
+        accept_args=dict(rule=rule, divergence=divergence, temperature=temperature,
+                         div_temperature=div_temperature, **sample_args,
+                         return_divergence=output_divergences),
+        max_new_tokens=int(max_new_tokens), eos_ids=eos_ids, output_divergences=output_divergences,
+        draft_vocab=draft_vocab if draft_vocab < _vocab_size(target) else 0)
