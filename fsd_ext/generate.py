@@ -16,8 +16,9 @@ One step of speculative decoding, per batch row (DESIGN.md section 2):
 rule="ar" runs the target alone through the same loop: one one-token forward and one fsd_ext.sample
 per step. Rows keep their own lengths in a static KV cache (fsd_ext.kv_cache); a row that emits EOS
 or reaches max_new_tokens leaves the batch. On CUDA, each fixed-shape forward (the draft's one- and
-two-token steps, the target's (K+1)-token verification) is captured once in a CUDA graph and
-replayed.
+two-token steps, the target's (K+1)-token verification) is captured in a CUDA graph once per batch
+size and replayed; there the batch shrinks to powers of two only (stopped rows wait, parked, see
+_Decoder), so a batch of B rows is captured for at most ceil(log2 B) + 1 sizes.
 
 Why the draft may re-read one token: after a step that accepted all K drafts, d_{K-1} was never fed
 to the draft. Instead of a ragged catch-up call, the next step then rolls every row of the draft's
@@ -349,8 +350,14 @@ class _StepOutput:
 
 
 class _Decoder:
-    """The loop's state between steps: the active rows with their pending token, seed and threshold,
-    the two cached models, and what every row has generated so far."""
+    """The loop's state between steps: the batch slots with their pending token, seed and threshold,
+    the two cached models, and what every row has generated so far.
+
+    A row that stops (EOS, max_new_tokens) leaves the batch and the caches after its step. With
+    CUDA graphs, which are captured per batch size, the batch shrinks only to powers of two: until
+    then a stopped row stays as a *parked* slot, whose outputs are discarded and whose cache length
+    is frozen (it rewrites the slots past its end), so B rows capture each forward shape for at
+    most ceil(log2 B) + 1 batch sizes instead of once per stopping row."""
 
     def __init__(self, settings: _Settings, target_model: _CachedModel,
                  draft_model: Optional[_CachedModel], ids: torch.Tensor, seeds: torch.Tensor,
@@ -362,23 +369,26 @@ class _Decoder:
         self.pending = ids[:, -1].clone()  # [B] the last token, not yet seen by any model
         self.last_committed = ids[:, -2].clone()  # [B] the token before it (re-read by the draft)
         self.seeds, self.threshold = seeds, threshold  # [B]; float or [B]
-        self.rows = list(range(ids.shape[0]))  # original row index of each active batch row
+        self.rows = list(range(ids.shape[0]))  # original row index of each batch slot
+        self.live = [True] * len(self.rows)  # False: a parked slot (its row has stopped)
+        self.live_mask = torch.ones(len(self.rows), dtype=torch.int64, device=self.device)  # [B]
+        self.shrink_to_powers_of_two = target_model.use_graphs
         self.generated: List[List[int]] = [[] for _ in self.rows]
         self.step = 0
         self.draft_behind = False  # some row accepted all its drafts last step (see module doc)
 
     def run(self) -> List[List[int]]:
         """Step until every row has stopped -> each row's generated tokens."""
-        while self.rows:
+        while any(self.live):
             out = self._speculative_step() if self.settings.speculative else self._ar_step()
-            self.pending = out.tokens[torch.arange(len(self.rows), device=self.device),
-                                      out.num_accepted]  # [B]
-            if (self.pending < 0).any():
+            pending = out.tokens[torch.arange(len(self.rows), device=self.device),
+                                 out.num_accepted]  # [B]
+            if ((pending < 0) & (self.live_mask > 0)).any():
                 raise RuntimeError(f"the logits hold NaN or no finite value at step {self.step}")
+            self.pending = pending.clamp_min(0)  # (a parked slot's token is never used)
             self.step += 1
-            keep_rows = self._record(out)
-            if len(keep_rows) < len(self.rows):
-                self._drop_finished(keep_rows)
+            self._record(out)
+            self._shrink()
         return self.generated
 
     def _ar_step(self) -> _StepOutput:
@@ -387,7 +397,7 @@ class _Decoder:
         logits = self.target_model(self.pending[:, None], keep=1)[:, 0]  # [B, V_t]
         emitted = _sample(logits.float(), s.temperature, **s.sample_args, seed=self.seeds,
                           offset=self.step).to(self.device)  # [B]
-        self.target_model.cache.lengths += 1
+        self.target_model.cache.lengths += self.live_mask
         return _StepOutput(emitted[:, None], torch.zeros_like(emitted))  # [B, 1], [B]
 
     def _speculative_step(self) -> _StepOutput:
@@ -398,7 +408,8 @@ class _Decoder:
         # uses num_draft[b] of them (its own cap), so its tokens do not depend on the other rows.
         row_caps = [max(1, min(s.k, s.max_new_tokens - len(self.generated[row]) - 1))
                     for row in self.rows]
-        k_step = max(row_caps)
+        k_step = max(cap for cap, live in zip(row_caps, self.live) if live)
+        row_caps = [cap if live else k_step for cap, live in zip(row_caps, self.live)]  # parked: any
         num_draft = (torch.tensor(row_caps, dtype=torch.int64, device=self.device)
                      if min(row_caps) < k_step else None)  # [B] or None (all k_step)
         draft_logits, drafts = self._draft(k_step)  # [B, k_step, V_d], [B, k_step]
@@ -408,13 +419,15 @@ class _Decoder:
         target_logits = self.target_model(verify_input, keep=k_step + 1).float()  # [B, k_step+1, V_t]
         result = _accept(target_logits, draft_logits, drafts, threshold=self.threshold,
                          num_draft=num_draft, **s.accept_args, seed=self.seeds, offset=self.step)
-        if not bool(result.valid.all()):
-            bad = [self.rows[j] for j in (~result.valid).nonzero()[:, 0].tolist()]
+        bad = [row for row, ok, live in zip(self.rows, result.valid.tolist(), self.live)
+               if live and not ok]
+        if bad:
             raise RuntimeError(f"the target or draft logits of row(s) {bad} hold NaN or no finite "
                                f"value at step {self.step}")
         out = _StepOutput(result.tokens.to(self.device), result.num_accepted.to(self.device), k_step)
         if s.output_divergences:
-            self.stats.divergences.append(result.divergence.cpu())
+            live_slots = [j for j, live in enumerate(self.live) if live]
+            self.stats.divergences.append(result.divergence.cpu()[live_slots])  # [B_live, K]
         if s.count_sd_rejections:  # a fidelity diagnostic; sampled, it is timed apart
             start = time.perf_counter()
             out.sd_rejects = _sd_rejects(target_logits[:, :k_step], draft_logits, drafts,
@@ -423,7 +436,7 @@ class _Decoder:
                 self.stats.diagnostics_seconds += time.perf_counter() - start
 
         # Commit pending + the accepted drafts (rejected entries lie past the new length).
-        self.target_model.cache.lengths += out.num_accepted + 1
+        self.target_model.cache.lengths += (out.num_accepted + 1) * self.live_mask
         last_accepted = drafts[torch.arange(len(self.rows), device=self.device),
                                (out.num_accepted - 1).clamp_min(0)]  # [B]
         self.last_committed = torch.where(out.num_accepted > 0, last_accepted, self.pending)
@@ -450,13 +463,14 @@ class _Decoder:
             draft_input = token[:, None]  # [B, 1]
         return torch.stack(draft_logits, 1), torch.stack(drafts, 1)
 
-    def _record(self, out: _StepOutput) -> List[int]:
-        """Host bookkeeping: append each row's new tokens (cut at EOS and max_new_tokens), count,
-        stream -> the batch indices of the rows that go on."""
+    def _record(self, out: _StepOutput) -> None:
+        """Host bookkeeping: append each live row's new tokens (cut at EOS and max_new_tokens),
+        count, stream; a row that stops becomes a parked slot."""
         s, stats = self.settings, self.stats
-        keep_rows = []
         counts = out.num_accepted.tolist()
         for j, (row_tokens, n) in enumerate(zip(out.tokens.tolist(), counts)):
+            if not self.live[j]:
+                continue
             generated = self.generated[self.rows[j]]
             new = row_tokens[:n + 1][:s.max_new_tokens - len(generated)]
             stop = next((i for i, t in enumerate(new) if t in s.eos_ids), None)
@@ -472,20 +486,31 @@ class _Decoder:
             stats.accepted_histogram[n] += 1
             if self.streamer is not None and new:
                 self.streamer.put(torch.tensor(new))
-            if stop is None and len(generated) < s.max_new_tokens:
-                keep_rows.append(j)
+            if stop is not None or len(generated) >= s.max_new_tokens:
+                self.live[j] = False
+                self.live_mask[j] = 0
         # Only a row that used and accepted all k_step drafts left d_{k_step-1} unread.
-        self.draft_behind = s.speculative and any(counts[j] == out.k_step for j in keep_rows)
-        return keep_rows
+        self.draft_behind = s.speculative and any(
+            live and n == out.k_step for live, n in zip(self.live, counts))
 
-    def _drop_finished(self, keep_rows: List[int]) -> None:
-        """Finished rows leave the batch, the caches and every per-row tensor."""
-        keep = torch.tensor(keep_rows, dtype=torch.int64, device=self.device)  # [B']
-        self.rows = [self.rows[j] for j in keep_rows]
+    def _shrink(self) -> None:
+        """Stopped rows leave the batch, the caches and every per-slot tensor; with CUDA graphs
+        only as many as keep the batch a power of two (the rest stay parked)."""
+        live_slots = [j for j, live in enumerate(self.live) if live]
+        size = len(live_slots)
+        if self.shrink_to_powers_of_two and size > 0:
+            size = 1 << (size - 1).bit_length()  # the next power of two >= the live rows
+        if size >= len(self.rows):
+            return
+        parked = [j for j, live in enumerate(self.live) if not live]
+        slots = sorted(live_slots + parked[:size - len(live_slots)])
+        keep = torch.tensor(slots, dtype=torch.int64, device=self.device)  # [B']
+        self.rows = [self.rows[j] for j in slots]
+        self.live = [self.live[j] for j in slots]
         for cached in self.models:
             cached.select(keep)
         self.pending, self.last_committed = self.pending[keep], self.last_committed[keep]
-        self.seeds = self.seeds[keep]
+        self.seeds, self.live_mask = self.seeds[keep], self.live_mask[keep]
         if isinstance(self.threshold, torch.Tensor):
             self.threshold = self.threshold[keep]
 

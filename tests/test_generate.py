@@ -425,6 +425,56 @@ def test_graph_shaped_path_matches_eager_on_cpu(target, draft, monkeypatch, rule
     assert graphed.stats.target_forwards == eager.stats.target_forwards
 
 
+@pytest.mark.parametrize("rule,temperature,stop", [
+    ("ar", 0.0, "eos"), ("greedy", 0.0, "eos"), ("sd", 1.0, "eos"), ("fsd", 0.8, "eos"),
+    ("greedy", 0.0, "max_new_tokens"), ("sd", 1.0, "max_new_tokens")])
+def test_graph_path_parks_stopped_rows_until_a_power_of_two(target, draft, monkeypatch, rule,
+                                                            temperature, stop):
+    """With graphs on, rows that stop at different steps stay in the batch as parked slots (outputs
+    discarded, cache lengths frozen) until the live rows fit a power of two, so forwards are
+    captured for the first batch size and powers of two only. Tokens and counts must equal the
+    eager run (which drops every stopped row at once), and no forward may write past the cache
+    (a row parked at max_new_tokens whose length kept growing would)."""
+    gen = importlib.import_module("fsd_ext.generate")
+    by_eos = stop == "eos"
+    lengths = [5, 12, 2, 7, 9, 3] if by_eos else [5, 12, 2, 7, 9, 3, 4, 8]
+    ids, mask = random_prompts(lengths, seed=41)
+    kwargs = dict(rule=rule, temperature=temperature, threshold=0.3, num_draft_tokens=3,
+                  max_new_tokens=30 if by_eos else 13, seed=torch.arange(len(lengths)),
+                  eos_token_id=list(range(3, VOCAB, 9)) if by_eos else [],
+                  output_divergences=rule != "ar")
+    forward = gen._CachedModel._forward
+    batch_sizes, overshoot = [], []
+
+    def spy(self, input_ids, keep):
+        batch_sizes.append(input_ids.shape[0])
+        overshoot.append(int(self.cache.lengths.max()) + input_ids.shape[1] - self.cache.capacity)
+        return forward(self, input_ids, keep)
+
+    monkeypatch.setattr(gen._CachedModel, "_forward", spy)
+    eager = fsd_ext.generate(target, draft, ids, mask, **kwargs)
+    allowed = {len(lengths), 4, 2, 1}
+    assert set(batch_sizes) - allowed, "no row stopped at a batch size a graph run would park"
+    batch_sizes.clear()
+    ReplayByCall.made = []
+    monkeypatch.setattr(gen, "_CudaGraphForward", ReplayByCall)
+    init = gen._CachedModel.__init__
+    monkeypatch.setattr(gen._CachedModel, "__init__",
+                        lambda self, model, pad, capacity, use_graphs: init(self, model, pad, capacity, True))
+    graphed = fsd_ext.generate(target, draft, ids, mask, **kwargs)
+    assert max(overshoot) <= 0, "a forward wrote past the cache capacity"
+    assert graphed.sequences.tolist() == eager.sequences.tolist()
+    for name in ("new_tokens", "verifications", "accepted_drafts", "accepted_histogram",
+                 "sd_rejected_accepted", "target_forwards", "draft_forwards"):
+        assert getattr(graphed.stats, name) == getattr(eager.stats, name), name
+    if rule != "ar":  # per step, the live rows' divergences only
+        assert [d.shape for d in graphed.stats.divergences] == [d.shape for d in eager.stats.divergences]
+        for a, b in zip(graphed.stats.divergences, eager.stats.divergences):
+            torch.testing.assert_close(a, b, equal_nan=True)
+    sizes = {batch for batch, _, _ in ReplayByCall.made}
+    assert sizes <= allowed and len(lengths) in sizes and len(sizes) > 1, sizes
+
+
 # ----------------------------------------------------------------------------------------------
 # Bad arguments.
 
