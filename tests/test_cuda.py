@@ -229,6 +229,74 @@ def test_sample_op(fops, dtype, filters):
 
 
 # ----------------------------------------------------------------------------------------------
+# Filter and div_top_k edge cases: ties, signed zeros, -inf masks, k at the edges, a top_p that
+# rounds to 0. The random-logit tests above almost never produce them.
+
+def edge_rows(vocab, copies, seed=0):
+    """[6 * copies, vocab] rows of the shapes where cutoffs are delicate."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(copies):
+        six_values = torch.randint(0, 6, (vocab,), generator=g).float() * 0.5  # ~V/6 ties per value
+        bf16_like = (torch.randn(vocab, generator=g) * 4).to(torch.bfloat16).float()
+        half_masked = torch.randn(vocab, generator=g) * 2
+        half_masked[torch.rand(vocab, generator=g) < 0.5] = float("-inf")
+        three_finite = torch.full((vocab,), float("-inf"))
+        three_finite[torch.randperm(vocab, generator=g)[:3]] = torch.tensor([0.0, -0.5, -0.5])
+        very_negative = torch.randn(vocab, generator=g)
+        very_negative[torch.rand(vocab, generator=g) < 0.9] = -1e9
+        signed_zeros = torch.where(torch.rand(vocab, generator=g) < 0.5, -0.0, 0.0)
+        signed_zeros[torch.rand(vocab, generator=g) < 0.5] = -1.0  # ties at the max are +-0.0
+        rows += [six_values, bf16_like, half_masked, three_finite, very_negative, signed_zeros]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("filters", [
+    dict(top_k=1), dict(top_k=7), dict(top_k=4998), dict(top_k=20000), dict(top_p=1e-46),
+    dict(top_p=0.3), dict(top_p=0.95), dict(top_p=0.999999), dict(top_k=50, top_p=0.6),
+    dict(top_k=3000, top_p=0.9, min_p=0.2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sample_op_filter_edges(fops, filters, dtype):
+    """On tie-heavy and masked rows the CUDA cutoffs keep the same ids as the CPU walk (ties at a
+    cutoff kept, top_p=1e-46 keeps only the max, k beyond the finite values keeps them all)."""
+    logits = edge_rows(4999, 32).to(dtype)
+    seeds = torch.arange(logits.shape[0]) * 7 + 1
+    got = fops.sample(logits.cuda(), temperature=0.7, seed=seeds.cuda(), **filters).cpu()
+    want = fops.sample(logits, temperature=0.7, seed=seeds, **filters)
+    assert (got == want).float().mean().item() >= 0.99
+    if filters == dict(top_p=1e-46):  # only the max (and its ties) may be drawn
+        values = logits.float()
+        assert torch.equal(values.gather(1, got[:, None])[:, 0], values.max(-1).values)
+
+
+@pytest.mark.parametrize("kind", DIVERGENCES)
+def test_div_top_k_ties_and_signed_zeros(fops, kind):
+    """div_top_k ranks equal values (+0.0 and -0.0 included) by lowest id, as the CPU does."""
+    target = edge_rows(777, 4, seed=1)
+    draft = torch.randn(target.shape, generator=torch.Generator().manual_seed(2))
+    tiny = torch.tensor([[-0.0, -1, -1, -1, 0.0, -1, -1, -1]])
+    for k in (1, 2, 5, 100, 700):
+        got = fops.divergence(target.cuda(), draft.cuda(), kind, 1.0, k).cpu()
+        torch.testing.assert_close(got, fops.divergence(target, draft, kind, 1.0, k), rtol=1e-5, atol=1e-6)
+    tiny_draft = torch.arange(8.0)[None] * -0.3
+    torch.testing.assert_close(fops.divergence(tiny.cuda(), tiny_draft.cuda(), kind, 1.0, 1).cpu(),
+                               reference.divergence(tiny, tiny_draft, kind, 1.0, 1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rule", ["sd", "fsd"])
+def test_accept_filters_on_tied_logits(fops, rule):
+    target = (torch.randint(0, 12, (96, 4, 3001), generator=torch.Generator().manual_seed(3)) * 0.25)
+    draft = target[:, :3] + torch.randint(-1, 2, (96, 3, 3001), generator=torch.Generator().manual_seed(4)) * 0.25
+    target, draft = target.to(torch.bfloat16), draft.to(torch.bfloat16)
+    tokens = torch.multinomial(draft.reshape(-1, 3001).float().softmax(-1), 1).reshape(96, 3)
+    for filters in (dict(top_k=40), dict(top_p=0.5), dict(top_k=400, top_p=0.9, min_p=0.3)):
+        kw = dict(rule=rule, divergence="js", threshold=0.05, temperature=0.9, seed=5,
+                  div_top_k=10, **filters)
+        cuda = run_accept(fops, "cuda", target, draft, tokens, **kw)
+        assert agreement(cuda, run_accept(fops, "cpu", target, draft, tokens, **kw)) >= 0.99
+
+
+# ----------------------------------------------------------------------------------------------
 # Invalid rows.
 
 def test_nan_and_all_neg_inf_rows(fops):

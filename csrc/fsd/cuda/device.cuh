@@ -383,8 +383,9 @@ __device__ __forceinline__ Dist softmax_dist(float max, float inv, float cut, do
 // ---------------------------------------------------------------------------------------------
 // Block-wide radix select on order-preserving 32-bit keys of floats.
 
+// -0.0 and +0.0 get one key: they are equal values, and ties break by id (as on the CPU), not by sign.
 __device__ __forceinline__ uint32_t float_key(float x) {
-  const uint32_t u = __float_as_uint(x);
+  const uint32_t u = x == 0.0f ? 0u : __float_as_uint(x);
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
 }
 __device__ __forceinline__ float key_float(uint32_t key) {
@@ -443,6 +444,10 @@ __device__ __forceinline__ uint32_t block_select_kth(const T* __restrict__ row, 
 
 // The largest key v such that sum over {key >= v} of weight >= target_mass, among ids where
 // weight_of > 0 (weight_of(z, id, key&)). Returns false (no cutoff) when the total never reaches it.
+// Only digits holding mass are chosen, so a target of 0 selects the largest key (as the CPU walk,
+// which stops at the first value). Past the first digit the chosen bucket's mass covers the rest
+// of the target in exact arithmetic; if the re-summed (atomic, any order) mass falls a rounding
+// short, the lowest non-empty digit is taken: the cut then lies at the bucket's end, as on the CPU.
 template <typename T, typename WeightKeyFn>
 __device__ __forceinline__ bool block_select_mass(const T* __restrict__ row, int64_t n, double target_mass, WeightKeyFn weight_of,
                                   SelectShared& sh, uint32_t& out_key) {
@@ -465,10 +470,16 @@ __device__ __forceinline__ bool block_select_mass(const T* __restrict__ row, int
     __syncthreads();
     if (threadIdx.x == 0 && sh.found) {
       double above = 0.0;
-      int digit = -1;
+      int digit = -1, lowest = -1;
       for (int d = 255; d >= 0; --d) {
+        if (!(sh.hist.mass[d] > 0.0)) continue;
+        lowest = d;
         if (above + sh.hist.mass[d] >= sh.remaining_mass) { digit = d; break; }
         above += sh.hist.mass[d];
+      }
+      if (digit < 0 && shift < 24 && lowest >= 0) {  // a rounding short: the bucket's end
+        digit = lowest;
+        above -= sh.hist.mass[lowest];
       }
       if (digit < 0) {
         sh.found = 0;
