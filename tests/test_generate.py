@@ -402,22 +402,28 @@ class ReplayByCall:
         return self.forward(self.input_ids, self.keep).clone()
 
 
-@pytest.mark.parametrize("rule,temperature", [("ar", 0.0), ("greedy", 0.0), ("sd", 1.0), ("fsd", 0.8)])
-def test_graph_shaped_path_matches_eager_on_cpu(target, draft, monkeypatch, rule, temperature):
-    """With graphs on, every decode forward attends over the whole static cache (fixed shapes) and
-    goes through a per-shape replay object; the tokens must not change."""
+def generate_graph_shaped(monkeypatch, target, draft, ids, mask, **kwargs):
+    """generate() down its CUDA-graph path on the CPU: use_graphs forced on, ReplayByCall standing
+    in for the captures (ReplayByCall.made lists them)."""
     gen = importlib.import_module("fsd_ext.generate")  # the module (fsd_ext.generate is the function)
-    ids, mask = random_prompts([5, 12, 2], seed=40)
-    seeds = torch.tensor([5, 6, 7])
-    kwargs = dict(rule=rule, temperature=temperature, threshold=0.3, num_draft_tokens=3, max_new_tokens=14,
-                  seed=seeds, eos_token_id=[])
-    eager = fsd_ext.generate(target, draft, ids, mask, **kwargs)
     ReplayByCall.made = []
     monkeypatch.setattr(gen, "_CudaGraphForward", ReplayByCall)
     init = gen._CachedModel.__init__
     monkeypatch.setattr(gen._CachedModel, "__init__",
                         lambda self, model, pad, capacity, use_graphs: init(self, model, pad, capacity, True))
-    graphed = fsd_ext.generate(target, draft, ids, mask, **kwargs)
+    return fsd_ext.generate(target, draft, ids, mask, **kwargs)
+
+
+@pytest.mark.parametrize("rule,temperature", [("ar", 0.0), ("greedy", 0.0), ("sd", 1.0), ("fsd", 0.8)])
+def test_graph_shaped_path_matches_eager_on_cpu(target, draft, monkeypatch, rule, temperature):
+    """With graphs on, every decode forward attends over the whole static cache (fixed shapes) and
+    goes through a per-shape replay object; the tokens must not change."""
+    ids, mask = random_prompts([5, 12, 2], seed=40)
+    seeds = torch.tensor([5, 6, 7])
+    kwargs = dict(rule=rule, temperature=temperature, threshold=0.3, num_draft_tokens=3, max_new_tokens=14,
+                  seed=seeds, eos_token_id=[])
+    eager = fsd_ext.generate(target, draft, ids, mask, **kwargs)
+    graphed = generate_graph_shaped(monkeypatch, target, draft, ids, mask, **kwargs)
     assert graphed.sequences.tolist() == eager.sequences.tolist()
     assert ReplayByCall.made, "no forward went through the graph path"
     # One replay object per (batch, tokens, kept logits) shape, not one per step.
@@ -456,12 +462,7 @@ def test_graph_path_parks_stopped_rows_until_a_power_of_two(target, draft, monke
     allowed = {len(lengths), 4, 2, 1}
     assert set(batch_sizes) - allowed, "no row stopped at a batch size a graph run would park"
     batch_sizes.clear()
-    ReplayByCall.made = []
-    monkeypatch.setattr(gen, "_CudaGraphForward", ReplayByCall)
-    init = gen._CachedModel.__init__
-    monkeypatch.setattr(gen._CachedModel, "__init__",
-                        lambda self, model, pad, capacity, use_graphs: init(self, model, pad, capacity, True))
-    graphed = fsd_ext.generate(target, draft, ids, mask, **kwargs)
+    graphed = generate_graph_shaped(monkeypatch, target, draft, ids, mask, **kwargs)
     assert max(overshoot) <= 0, "a forward wrote past the cache capacity"
     assert graphed.sequences.tolist() == eager.sequences.tolist()
     for name in ("new_tokens", "verifications", "accepted_drafts", "accepted_histogram",
