@@ -516,20 +516,24 @@ def tiny_cuda_llama(seed, layers):
     return model.cuda()
 
 
+def left_padded_prompts(lengths, seed=3):
+    """CUDA (input_ids, attention_mask) [B, max(lengths)] of random left-padded prompts."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, ids.shape[1] - length:] = torch.randint(3, 256, (length,), generator=gen)
+        mask[row, ids.shape[1] - length:] = 1
+    return ids.cuda(), mask.cuda()
+
+
 @pytest.mark.parametrize("rule,temperature", [("ar", 0.0), ("greedy", 0.0), ("sd", 0.0), ("sd", 1.0),
                                               ("fsd", 0.8)])
 def test_generate_cuda_graphs_match_eager(fops, rule, temperature):
     import fsd_ext
 
     target, draft = tiny_cuda_llama(0, 2), tiny_cuda_llama(1, 1)
-    gen = torch.Generator().manual_seed(3)
-    lengths = [4, 11, 1]
-    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    for row, length in enumerate(lengths):  # left-padded prompts
-        ids[row, ids.shape[1] - length:] = torch.randint(3, 256, (length,), generator=gen)
-        mask[row, ids.shape[1] - length:] = 1
-    ids, mask = ids.cuda(), mask.cuda()
+    ids, mask = left_padded_prompts([4, 11, 1])
     kwargs = dict(rule=rule, temperature=temperature, threshold=0.3, num_draft_tokens=4, max_new_tokens=20,
                   seed=torch.tensor([5, 6, 7]))
     eager = fsd_ext.generate(target, draft, ids, mask, use_cuda_graphs=False, **kwargs)
@@ -538,3 +542,30 @@ def test_generate_cuda_graphs_match_eager(fops, rule, temperature):
     if temperature == 0.0:
         expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, pad_token_id=0)
         assert graphed.sequences.tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("rule,temperature", [("ar", 0.0), ("greedy", 0.0), ("fsd", 0.8)])
+def test_generate_cuda_graphs_park_stopped_rows(fops, monkeypatch, rule, temperature):
+    """Rows stopping at different steps (many EOS ids): real captures happen only for the first
+    batch size and powers of two (stopped rows wait parked), and the tokens equal the eager run."""
+    import importlib
+
+    import fsd_ext
+
+    generate_module = importlib.import_module("fsd_ext.generate")
+    captured = []  # batch size of every capture
+    real_init = generate_module._CudaGraphForward.__init__
+
+    def counting_init(self, forward, input_ids, keep):
+        captured.append(input_ids.shape[0])
+        real_init(self, forward, input_ids, keep)
+
+    monkeypatch.setattr(generate_module._CudaGraphForward, "__init__", counting_init)
+    target, draft = tiny_cuda_llama(0, 2), tiny_cuda_llama(1, 1)
+    ids, mask = left_padded_prompts([4, 11, 1, 7, 9, 3], seed=4)
+    kwargs = dict(rule=rule, temperature=temperature, threshold=0.3, num_draft_tokens=4, max_new_tokens=30,
+                  seed=torch.arange(6), eos_token_id=list(range(3, 256, 9)))
+    eager = fsd_ext.generate(target, draft, ids, mask, use_cuda_graphs=False, **kwargs)
+    graphed = fsd_ext.generate(target, draft, ids, mask, use_cuda_graphs=True, **kwargs)
+    assert graphed.sequences.tolist() == eager.sequences.tolist()
+    assert captured and set(captured) <= {6, 4, 2, 1}, captured
