@@ -53,6 +53,10 @@ def _encode(tokenizer, prompt: str, chat: bool, device: str):
     return tokenizer(text, return_tensors="pt").input_ids.to(device)  # [1, P]
 
 
+def _float_or_none(text: str):
+    return None if text.lower() == "none" else float(text)
+
+
 def _add_sampling_args(parser, temperature: float):
     parser.add_argument("--divergence", default="js", choices=["kl", "rkl", "js", "tv", "mkl"])
     parser.add_argument("--threshold", type=float, default=0.3, help="FSD threshold T")
@@ -60,6 +64,10 @@ def _add_sampling_args(parser, temperature: float):
     parser.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--min-p", type=float, default=None)
+    parser.add_argument("--div-temperature", type=_float_or_none, default=1.0,
+                        help="temperature of the distributions the divergence compares; 'none': "
+                             "the sampling distributions themselves")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -72,7 +80,8 @@ def _add_sampling_args(parser, temperature: float):
 def _generate_kwargs(args, rule: str) -> dict:
     return dict(rule=rule, divergence=args.divergence, threshold=args.threshold,
                 num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
-                top_k=args.top_k, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                div_temperature=args.div_temperature, max_new_tokens=args.max_new_tokens,
                 seed=args.seed)
 
 

@@ -625,6 +625,11 @@ def test_cli_parser():
     args = cli.build_parser().parse_args(["generate", "--target", "t", "--draft", "d", "--prompt",
                                           "hi", "--rule", "sd", "--threshold", "0.1"])
     assert (args.rule, args.threshold, args.num_draft_tokens, args.chat) == ("sd", 0.1, 5, True)
+    assert (args.min_p, args.div_temperature) == (None, 1.0)
+    args = cli.build_parser().parse_args(["generate", "--target", "t", "--draft", "d", "--prompt",
+                                          "hi", "--min-p", "0.05", "--div-temperature", "none"])
+    kwargs = cli._generate_kwargs(args, args.rule)
+    assert (kwargs["min_p"], kwargs["div_temperature"]) == (0.05, None)
     args = cli.build_parser().parse_args(["demo"])
     assert (args.target, args.draft, args.max_new_tokens) == ("qwen2.5-coder-1.5b",
                                                               "qwen2.5-coder-0.5b", 48)
