@@ -458,6 +458,9 @@ class _Decoder:
             draft_model.cache.lengths += draft_input.shape[1]
             token = _sample(logits, s.temperature, **s.sample_args, seed=self.seeds,
                             offset=self.step * s.k + i).to(self.device)  # [B]
+            # -1 marks NaN draft logits: feeding it to the embedding would fail (a device-side
+            # assert on CUDA); 0 goes on instead and the accept call flags the row invalid.
+            token = token.clamp_min(0)
             draft_logits.append(logits)
             drafts.append(token)
             draft_input = token[:, None]  # [B, 1]

@@ -1,6 +1,7 @@
 """The decoding loop (fsd_ext.generate) on tiny randomly initialised Llama models (CPU, fast), and on
 real weights when run with --runslow."""
 
+import functools
 import importlib
 
 import pytest
@@ -450,21 +451,26 @@ def test_graph_path_parks_stopped_rows_until_a_power_of_two(target, draft, monke
                   eos_token_id=list(range(3, VOCAB, 9)) if by_eos else [],
                   output_divergences=rule != "ar")
     forward = gen._CachedModel._forward
-    batch_sizes, overshoot = [], []
+    shapes, overshoot = [], []  # per forward: (batch, tokens); slots past the capacity written
 
     def spy(self, input_ids, keep):
-        batch_sizes.append(input_ids.shape[0])
+        shapes.append(tuple(input_ids.shape))
         overshoot.append(int(self.cache.lengths.max()) + input_ids.shape[1] - self.cache.capacity)
         return forward(self, input_ids, keep)
 
     monkeypatch.setattr(gen._CachedModel, "_forward", spy)
     eager = fsd_ext.generate(target, draft, ids, mask, **kwargs)
+    eager_shapes = list(shapes)
     allowed = {len(lengths), 4, 2, 1}
-    assert set(batch_sizes) - allowed, "no row stopped at a batch size a graph run would park"
-    batch_sizes.clear()
+    assert {batch for batch, _ in eager_shapes} - allowed, \
+        "no row stopped at a batch size a graph run would park"
+    shapes.clear()
     graphed = generate_graph_shaped(monkeypatch, target, draft, ids, mask, **kwargs)
     assert max(overshoot) <= 0, "a forward wrote past the cache capacity"
     assert graphed.sequences.tolist() == eager.sequences.tolist()
+    # Parked slots change no step's shape: the same forwards of the same token counts (k_step and
+    # the draft's two-token re-read are decided by the live rows alone).
+    assert [tokens for _, tokens in shapes] == [tokens for _, tokens in eager_shapes]
     for name in ("new_tokens", "verifications", "accepted_drafts", "accepted_histogram",
                  "sd_rejected_accepted", "target_forwards", "draft_forwards"):
         assert getattr(graphed.stats, name) == getattr(eager.stats, name), name
@@ -474,6 +480,30 @@ def test_graph_path_parks_stopped_rows_until_a_power_of_two(target, draft, monke
             torch.testing.assert_close(a, b, equal_nan=True)
     sizes = {batch for batch, _, _ in ReplayByCall.made}
     assert sizes <= allowed and len(lengths) in sizes and len(sizes) > 1, sizes
+
+
+@pytest.mark.parametrize("poisoned_model", ["draft", "target"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_nan_logits_raise_a_clear_error(target, draft, monkeypatch, poisoned_model, temperature):
+    """NaN logits in one row mid-decode end the call with a RuntimeError naming the row; a NaN draft
+    row must not feed its -1 "no token" to the embedding (an IndexError here, a device-side assert
+    that ends the process on CUDA)."""
+    model = draft if poisoned_model == "draft" else target
+    real_forward, calls = model.forward, []
+
+    @functools.wraps(real_forward)  # keeps the signature generate inspects
+    def poisoned(*args, **kwargs):
+        out = real_forward(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 4:
+            out.logits[1] = float("nan")
+        return out
+
+    monkeypatch.setattr(model, "forward", poisoned)
+    ids, mask = random_prompts([5, 9, 3], seed=3)
+    with pytest.raises(RuntimeError, match=r"row\(s\) \[1\] hold NaN"):
+        fsd_ext.generate(target, draft, ids, mask, rule="fsd", temperature=temperature,
+                         max_new_tokens=20, seed=0, eos_token_id=[])
 
 
 # ----------------------------------------------------------------------------------------------
