@@ -27,7 +27,8 @@ not behind just rewrite an entry with the same token). Otherwise the first forwa
 
 Randomness: row b draws from Philox with its own seed (`seed + b` for an int seed, or the given [B]
 tensor), keyed by the step counter, so the output is a function of the seed alone and a row's
-tokens do not depend on the other rows in the batch.
+tokens do not depend on the other rows in the batch (up to float rounding where the models' own
+kernels compute differently at different batch sizes, as GPU matmuls may).
 """
 
 from __future__ import annotations
