@@ -37,3 +37,33 @@ def assert_same_result(kernel, ref, *, div_rtol=1e-5, div_atol=1e-6):
     if ref.divergence is not None:
         torch.testing.assert_close(kernel.divergence, ref.divergence, rtol=div_rtol, atol=div_atol,
                                    equal_nan=True)
+
+
+FILTER_ROW_SHAPES = ("flat", "peaked", "ties", "masked", "bf16", "three_finite", "signed_zeros")
+
+
+def filter_rows(shape: str, rows: int, vocab: int, seed: int = 3) -> torch.Tensor:
+    """[rows, vocab] float32 logits of a shape where filter cutoffs are delicate."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=gen)
+    if shape == "flat":  # top-p walks cover most ids
+        return x * 0.5
+    if shape == "peaked":  # top-p walks end within tens of ids
+        return x * 6.0
+    if shape == "ties":  # six values: ties at every cutoff
+        return torch.randint(0, 6, (rows, vocab), generator=gen).float() * 0.5
+    if shape == "bf16":  # rounded to bfloat16: ties at most cutoffs
+        return (x * 4).to(torch.bfloat16).float()
+    if shape == "three_finite":  # fewer finite values than most k; a tie among them
+        out = torch.full((rows, vocab), float("-inf"))
+        for row in out:
+            row[torch.randperm(vocab, generator=gen)[:3]] = torch.tensor([0.0, -0.5, -0.5])
+        return out
+    if shape == "signed_zeros":  # the maxima are +0.0 and -0.0, everything else -1
+        zeros = torch.where(torch.rand(rows, vocab, generator=gen) < 0.5, -0.0, 0.0)
+        return zeros.masked_fill(torch.rand(rows, vocab, generator=gen) < 0.5, -1.0)
+    assert shape == "masked", shape
+    x = x * 3.0  # a few thousand ids in the walk, -inf and huge negative logits
+    x[:, ::3] = float("-inf")
+    x[:, 1::7] = -1e9
+    return x

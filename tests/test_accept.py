@@ -7,7 +7,7 @@ import torch
 
 import fsd_ext
 from fsd_ext import reference
-from helpers import assert_same_result, both, make_problem
+from helpers import FILTER_ROW_SHAPES, assert_same_result, both, filter_rows, make_problem
 
 RULES = ["greedy", "sd", "fsd", "fsd_strict"]
 DIVERGENCES = ["kl", "rkl", "js", "tv", "mkl"]
@@ -213,22 +213,7 @@ def test_sample_op_matches_reference(filters, temperature):
     assert fsd_ext.sample(logits[:, 0], seed=0).shape == (16,)
 
 
-def _filter_rows(shape: str, rows: int, vocab: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(rows, vocab, generator=gen)
-    if shape == "flat":  # top-p walks cover most ids
-        return x * 0.5
-    if shape == "peaked":  # top-p walks end within tens of ids
-        return x * 6.0
-    if shape == "ties":  # six values: ties at every cutoff
-        return torch.randint(0, 6, (rows, vocab), generator=gen).float()
-    x = x * 3.0  # "masked": a few thousand ids in the walk, -inf and huge negative logits
-    x[:, ::3] = float("-inf")
-    x[:, 1::7] = -1e9
-    return x
-
-
-@pytest.mark.parametrize("shape", ["flat", "peaked", "ties", "masked"])
+@pytest.mark.parametrize("shape", FILTER_ROW_SHAPES)
 @pytest.mark.parametrize("filters", [dict(top_k=50), dict(top_k=1500), dict(top_p=0.5), dict(top_p=0.95),
                                      dict(top_k=1500, top_p=0.9), dict(top_k=200, top_p=0.99, min_p=0.001)])
 def test_filter_cutoffs_of_short_and_long_walks(shape, filters):
@@ -236,7 +221,7 @@ def test_filter_cutoffs_of_short_and_long_walks(shape, filters):
     row (the bucket walk) sample as the reference does (bfloat16: ties everywhere); the C++ test
     checks the cutoffs themselves."""
     for dtype in (torch.float32, torch.bfloat16):
-        logits = _filter_rows(shape, 16, 6007).to(dtype)
+        logits = filter_rows(shape, 16, 6007).to(dtype)
         for seed in range(3):
             seeds = torch.arange(16) + 100 * seed
             tokens = fsd_ext.sample(logits, temperature=0.8, seed=seeds, **filters)

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from fsd_ext import reference
+from helpers import FILTER_ROW_SHAPES, filter_rows
 
 pytestmark = [
     pytest.mark.cuda,
@@ -233,22 +234,9 @@ def test_sample_op(fops, dtype, filters):
 # rounds to 0. The random-logit tests above almost never produce them.
 
 def edge_rows(vocab, copies, seed=0):
-    """[6 * copies, vocab] rows of the shapes where cutoffs are delicate."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(copies):
-        six_values = torch.randint(0, 6, (vocab,), generator=g).float() * 0.5  # ~V/6 ties per value
-        bf16_like = (torch.randn(vocab, generator=g) * 4).to(torch.bfloat16).float()
-        half_masked = torch.randn(vocab, generator=g) * 2
-        half_masked[torch.rand(vocab, generator=g) < 0.5] = float("-inf")
-        three_finite = torch.full((vocab,), float("-inf"))
-        three_finite[torch.randperm(vocab, generator=g)[:3]] = torch.tensor([0.0, -0.5, -0.5])
-        very_negative = torch.randn(vocab, generator=g)
-        very_negative[torch.rand(vocab, generator=g) < 0.9] = -1e9
-        signed_zeros = torch.where(torch.rand(vocab, generator=g) < 0.5, -0.0, 0.0)
-        signed_zeros[torch.rand(vocab, generator=g) < 0.5] = -1.0  # ties at the max are +-0.0
-        rows += [six_values, bf16_like, half_masked, three_finite, very_negative, signed_zeros]
-    return torch.stack(rows)
+    """[7 * copies, vocab]: `copies` rows of every shape of helpers.filter_rows."""
+    return torch.cat([filter_rows(shape, copies, vocab, seed=seed + i)
+                      for i, shape in enumerate(FILTER_ROW_SHAPES)])
 
 
 @pytest.mark.parametrize("filters", [
