@@ -482,6 +482,49 @@ def test_graph_path_parks_stopped_rows_until_a_power_of_two(target, draft, monke
     assert sizes <= allowed and len(lengths) in sizes and len(sizes) > 1, sizes
 
 
+def forward_under_fake_tensors(model, use_graphs, num_tokens, keep):
+    """One decode forward of `model` through _CachedModel._forward, after a real prefill, run under
+    FakeTensorMode: any data-dependent host operation (.item(), int(tensor), a branch on a tensor:
+    a host synchronisation, which CUDA graph capture rejects) raises DataDependentOutputException."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    gen = importlib.import_module("fsd_ext.generate")
+    cached = gen._CachedModel(model, pad=torch.tensor([0, 3]), capacity=24, use_graphs=use_graphs)
+    with torch.no_grad():
+        cached(torch.randint(3, VOCAB, (2, 6)), keep=1, prefill=True)  # allocates the cache
+        cached.cache.lengths += 6
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return cached._forward(torch.randint(3, VOCAB, (2, num_tokens)), keep)
+
+
+def tiny_qwen2(seed):
+    """A randomly initialised Qwen2 (the default model pair's architecture), sliding window on."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         use_sliding_window=True, sliding_window=8, tie_word_embeddings=True,
+                         attn_implementation="sdpa")
+    return Qwen2ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("num_tokens,keep", [(1, 1), (2, 1), (4, 4)])  # draft step, re-read, verify
+def test_graph_forward_has_no_host_sync(target, arch, num_tokens, keep):
+    """The forwards the loop captures in CUDA graphs must not synchronise with the host, or capture
+    fails on the GPU: checked here, under this transformers version, by running them on fake
+    tensors. Negative control: the eager path's forward (it reads the longest row's length to trim
+    the attention) must raise."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException
+
+    model = target if arch == "llama" else tiny_qwen2(0)
+    logits = forward_under_fake_tensors(model, True, num_tokens, keep)
+    assert logits.shape == (2, keep, VOCAB)
+    with pytest.raises(DataDependentOutputException):
+        forward_under_fake_tensors(model, False, num_tokens, keep)
+
+
 @pytest.mark.parametrize("poisoned_model", ["draft", "target"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_nan_logits_raise_a_clear_error(target, draft, monkeypatch, poisoned_model, temperature):
