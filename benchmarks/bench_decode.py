@@ -76,7 +76,7 @@ def run_hf(target, draft, input_ids, k, max_new_tokens, counter):
             setattr(draft.generation_config, name, value)
     seconds = time.perf_counter() - start
     new = out.shape[1] - input_ids.shape[1]
-    return new, seconds, counter.count
+    return new, seconds, counter.count, 0.0
 
 
 def run_ours(target, draft, input_ids, rule, args):
@@ -85,7 +85,7 @@ def run_ours(target, draft, input_ids, rule, args):
                            num_draft_tokens=args.num_draft_tokens,
                            max_new_tokens=args.max_new_tokens, eos_token_id=[], seed=0)
     stats = out.stats
-    return stats.new_tokens, stats.seconds, stats.verifications
+    return stats.new_tokens, stats.seconds, stats.verifications, stats.capture_seconds
 
 
 def main(argv=None):
@@ -128,20 +128,21 @@ def main(argv=None):
     configs = args.configs.split(",")
 
     def one_pass(config):
-        tokens = seconds = calls = 0
+        tokens = seconds = calls = captures = 0
         for input_ids in prompts:
             if config.startswith("hf_"):
                 base = config.removesuffix("+skinny")
                 # "+skinny": HF's loop on models patched with our few-row CPU linear kernel, to
                 # separate what the kernel gains from what the loop gains.
                 with skinny_cpu_linears(target, draft, enabled=config.endswith("+skinny")):
-                    n, s, c = run_hf(target, None if base == "hf_ar" else draft, input_ids,
+                    n, s, c, g = run_hf(target, None if base == "hf_ar" else draft, input_ids,
                                      None if base == "hf_assisted_default" else args.num_draft_tokens,
                                      args.max_new_tokens, counter)
             else:
-                n, s, c = run_ours(target, draft, input_ids, config, args)
-            tokens, seconds, calls = tokens + n, seconds + s, calls + c
-        return tokens / seconds, tokens / calls
+                n, s, c, g = run_ours(target, draft, input_ids, config, args)
+            tokens, seconds, calls, captures = tokens + n, seconds + s, calls + c, captures + g
+        # CUDA graphs are captured per generate call (inside its seconds): their share is reported.
+        return tokens / seconds, tokens / calls, captures / seconds
 
     for config in configs:  # warm-up (first-call allocations, lazy inits)
         if config.startswith("hf_"):
@@ -161,7 +162,9 @@ def main(argv=None):
     for config in configs:
         tps = statistics.median(s[0] for s in samples[config])
         per_call = statistics.median(s[1] for s in samples[config])
+        capture_share = statistics.median(s[2] for s in samples[config])
         results[config] = dict(tokens_per_s=tps, tokens_per_target_call=per_call,
+                               capture_share=capture_share,
                                all_tokens_per_s=[s[0] for s in samples[config]])
     hf_assisted = results.get("hf_assisted", {}).get("tokens_per_s")
     ar = results.get("ar", {}).get("tokens_per_s")
@@ -169,12 +172,14 @@ def main(argv=None):
           f"FSD T={args.threshold} ({args.divergence}); {len(prompts)} prompts x "
           f"{args.max_new_tokens} tokens, median of {args.repeats}; {args.device}, "
           f"{torch.get_num_threads()} threads, {os.cpu_count()} cores")
-    print(f"{'config':<12} {'tokens/s':>9} {'tokens/call':>12} {'vs AR':>7} {'vs HF assisted':>15}")
+    print(f"{'config':<12} {'tokens/s':>9} {'tokens/call':>12} {'vs AR':>7} {'vs HF assisted':>15} "
+          f"{'graph captures':>15}")
     for config, r in results.items():
         vs_ar = f"{r['tokens_per_s'] / ar:.2f}x" if ar else "-"
         vs_hf = f"{r['tokens_per_s'] / hf_assisted:.2f}x" if hf_assisted else "-"
+        captures = f"{100 * r['capture_share']:.0f}% of time" if r["capture_share"] else "-"
         print(f"{config:<12} {r['tokens_per_s']:>9.2f} {r['tokens_per_target_call']:>12.2f} "
-              f"{vs_ar:>7} {vs_hf:>15}")
+              f"{vs_ar:>7} {vs_hf:>15} {captures:>15}")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     meta = dict(vars(args), machine=platform.machine(), cpu_count=os.cpu_count(),
                 threads=torch.get_num_threads(), torch=torch.__version__,

@@ -11,7 +11,8 @@ continues where it left off. The summary aggregates per configuration (seeds poo
                            prompt forwards included, so short completions on a CPU are dominated
                            by them)
     decode_tokens_per_s    the same without the prompt forwards, when generate reports
-                           `stats.prefill_seconds`
+                           `stats.prefill_seconds`, and without CUDA graph captures
+                           (`stats.capture_seconds`, once per generate call and shape)
     mean_accepted          accepted drafts / verification steps (the correction or bonus token is
                            not counted; 0 for AR)
     tokens_per_target_call generated tokens / target forward calls
@@ -202,6 +203,7 @@ class Generation:
     target_seconds: Optional[float] = None
     draft_seconds: Optional[float] = None
     prefill_seconds: Optional[float] = None  # prompt forwards, when generate reports them
+    capture_seconds: Optional[float] = None  # CUDA graph warm-ups and captures, when reported
     accepted_hist: List[int] = field(default_factory=list)  # steps that accepted 0, 1, .. K drafts
     accepted_drafts: float = 0.0       # accepted drafts, summed over verification steps
     verify_steps: int = 0              # verification steps (target calls that checked drafts)
@@ -243,6 +245,8 @@ _STAT_NAMES = {  # our name -> the name in fsd_ext.GenerateStats (or a dict of a
     # Seconds in the prompt forwards (target and draft): the summary's decode-only tokens/s, which
     # on a CPU differs a lot from the end-to-end rate.
     "prefill_seconds": "prefill_seconds",
+    # Seconds capturing CUDA graphs (a per-call setup cost, like the prompt forwards).
+    "capture_seconds": "capture_seconds",
     # Seconds generate spent on diagnostics (the sampled SD-rejection count), left out of the timing.
     "diagnostics_seconds": "diagnostics_seconds",
 }
@@ -287,6 +291,7 @@ def stats_to_generation(stats: Any, text: str, new_tokens: int, seconds: float,
                       target_seconds=_stat(stats, "target_seconds"),
                       draft_seconds=_stat(stats, "draft_seconds"),
                       prefill_seconds=_stat(stats, "prefill_seconds"),
+                      capture_seconds=_stat(stats, "capture_seconds"),
                       accepted_hist=hist, accepted_drafts=accepted, verify_steps=steps,
                       sd_rejected=None if sd_rejected is None else int(sd_rejected),
                       extra={"stats": _jsonable(stats)})
@@ -524,6 +529,7 @@ def _run_one(config: Config, problem: Dict[str, str], backend: Backend, sid: str
         "wall_s": time.perf_counter() - start, "target_calls": gen.target_calls,
         "draft_calls": gen.draft_calls, "target_seconds": gen.target_seconds,
         "draft_seconds": gen.draft_seconds, "prefill_seconds": gen.prefill_seconds,
+        "capture_seconds": gen.capture_seconds,
         "accepted_hist": gen.accepted_hist,
         "accepted_drafts": gen.accepted_drafts, "verify_steps": gen.verify_steps,
         "sd_rejected": gen.sd_rejected, "stats": gen.extra.get("stats"),
@@ -569,6 +575,7 @@ def summarize(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
         new_tokens = sum(r["new_tokens"] for r in recs)
         generate_s = sum(r["seconds"] for r in recs)
         prefill_s = _sum_optional(r.get("prefill_seconds") for r in recs)
+        setup_s = None if prefill_s is None else prefill_s + sum(r.get("capture_seconds") or 0.0 for r in recs)
         target_calls = sum(r["target_calls"] for r in recs)
         accepted = float(sum(r["accepted_drafts"] for r in recs))
         steps = sum(r["verify_steps"] for r in recs)
@@ -586,8 +593,8 @@ def summarize(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
             "seeds": len({r["config"]["seed"] for r in recs}), "problems": len(by_task),
             "samples": len(recs), "pass_at_1": pass_at_1,
             "tokens_per_s": new_tokens / generate_s if generate_s > 0 else float("nan"),
-            "decode_tokens_per_s": (new_tokens / (generate_s - prefill_s)
-                                    if prefill_s is not None and generate_s > prefill_s else None),
+            "decode_tokens_per_s": (new_tokens / (generate_s - setup_s)
+                                    if setup_s is not None and generate_s > setup_s else None),
             "mean_accepted": accepted / steps if steps else 0.0,
             "tokens_per_target_call": new_tokens / target_calls if target_calls else float("nan"),
             "target_calls": target_calls, "draft_calls": sum(r["draft_calls"] for r in recs),

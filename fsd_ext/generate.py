@@ -64,10 +64,11 @@ class GenerateStats:
     seconds: float = 0.0  # wall time of the whole call, less diagnostics_seconds
     diagnostics_seconds: float = 0.0  # counting sampled SD rejections (output_divergences=True)
     prefill_seconds: float = 0.0  # the prompt forwards of both models (inside seconds)
+    capture_seconds: float = 0.0  # CUDA graph warm-ups and captures, both models (inside seconds)
     target_forwards: int = 0  # prefill included
-    target_seconds: float = 0.0
+    target_seconds: float = 0.0  # in the target's forwards (captures not included)
     draft_forwards: int = 0
-    draft_seconds: float = 0.0
+    draft_seconds: float = 0.0  # in the draft's forwards (captures not included)
     verifications: int = 0  # target verification calls x rows verified (row-steps)
     accepted_drafts: int = 0  # accepted drafts kept in the output (none past a row's end)
     # Kept accepted drafts that plain SD would have rejected (0 for sd by definition; None for ar):
@@ -84,8 +85,9 @@ class GenerateStats:
 
     @property
     def decode_tokens_per_second(self) -> float:
-        """Tokens/s without the prompt forwards (which dominate short outputs on a CPU)."""
-        seconds = self.seconds - self.prefill_seconds
+        """Tokens/s without the prompt forwards (which dominate short outputs on a CPU) and the
+        CUDA graph captures (a one-time cost per call and shape)."""
+        seconds = self.seconds - self.prefill_seconds - self.capture_seconds
         return self.new_tokens / seconds if seconds > 0 else 0.0
 
     @property
@@ -103,7 +105,8 @@ class GenerateStats:
                 f"{self.tokens_per_second:.2f} tokens/s, {self.tokens_per_target_call:.2f} tokens and "
                 f"{self.mean_accepted:.2f} accepted drafts per target call "
                 f"(target {self.target_forwards} calls {self.target_seconds:.2f} s, "
-                f"draft {self.draft_forwards} calls {self.draft_seconds:.2f} s)")
+                f"draft {self.draft_forwards} calls {self.draft_seconds:.2f} s"
+                + (f", graph captures {self.capture_seconds:.2f} s)" if self.capture_seconds else ")"))
 
 
 @dataclass
@@ -148,6 +151,7 @@ class _CachedModel:
         self.use_graphs = use_graphs
         self.graphs = {}  # (num_tokens, keep) -> _CudaGraphForward
         self.calls, self.seconds = 0, 0.0
+        self.capture_seconds = 0.0  # warm-ups and captures, not in self.seconds
         self.dtype = next(model.parameters()).dtype
         params = inspect.signature(model.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"  # 5.x : 4.5x
@@ -172,14 +176,13 @@ class _CachedModel:
         return logits[:, -keep:]
 
     def __call__(self, input_ids: torch.Tensor, keep: int, prefill: bool = False) -> torch.Tensor:
+        graphed, key = self.use_graphs and not prefill, (input_ids.shape[1], keep)
+        if graphed and key not in self.graphs:  # timed apart: a one-time cost, not a forward
+            capture_start = time.perf_counter()
+            self.graphs[key] = _CudaGraphForward(self._forward, input_ids, keep)
+            self.capture_seconds += time.perf_counter() - capture_start
         start = time.perf_counter()
-        if self.use_graphs and not prefill:
-            key = (input_ids.shape[1], keep)
-            if key not in self.graphs:
-                self.graphs[key] = _CudaGraphForward(self._forward, input_ids, keep)
-            logits = self.graphs[key](input_ids)
-        else:
-            logits = self._forward(input_ids, keep)
+        logits = self.graphs[key](input_ids) if graphed else self._forward(input_ids, keep)
         if logits.is_cuda:
             torch.cuda.synchronize(logits.device)
         self.seconds += time.perf_counter() - start
@@ -617,8 +620,10 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         new_part[row, :len(tokens_of_row)] = torch.tensor(tokens_of_row, dtype=torch.int64)
     sequences = torch.cat([input_ids.cpu(), new_part], 1).to(device)  # [B, P + N]
     stats.target_forwards, stats.target_seconds = target_model.calls, target_model.seconds
+    stats.capture_seconds = target_model.capture_seconds
     if draft_model is not None:
         stats.draft_forwards, stats.draft_seconds = draft_model.calls, draft_model.seconds
+        stats.capture_seconds += draft_model.capture_seconds
     stats.seconds = time.perf_counter() - start - stats.diagnostics_seconds
     return GenerateOutput(sequences, stats)
 

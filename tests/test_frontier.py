@@ -279,6 +279,8 @@ def test_summary_math():
     for record, prefill in zip([r for r in records if r["config"]["rule"] == "sd"], (1.0, 3.0)):
         record["prefill_seconds"] = prefill
     assert frontier.summarize(records)[1]["decode_tokens_per_s"] == pytest.approx(40 / (8 - 4))
+    records[2]["capture_seconds"] = 2.0  # CUDA graph captures are a setup cost too
+    assert frontier.summarize(records)[1]["decode_tokens_per_s"] == pytest.approx(40 / (8 - 4 - 2))
     assert fsd["sd_rejected_share"] == pytest.approx(8 / 32) and sd["sd_rejected_share"] == 0.0
     assert ar["sd_rejected_share"] == 0.0
     assert fsd["wall_s"] == pytest.approx(5.0) and fsd["draft_calls"] == 16

@@ -3,6 +3,7 @@ real weights when run with --runslow."""
 
 import functools
 import importlib
+import time
 
 import pytest
 import torch
@@ -396,19 +397,29 @@ class ReplayByCall:
     def __init__(self, forward, input_ids, keep):
         self.forward, self.keep = forward, keep
         self.input_ids = input_ids.clone()  # [B, S] static input buffer
+        self.cache = forward.__self__.cache
+        self.captured_storage = self.storage()
         ReplayByCall.made.append((input_ids.shape[0], input_ids.shape[1], keep))
 
+    def storage(self):
+        """Where the cache tensors a real graph would have baked in live."""
+        cache = self.cache
+        return [t.data_ptr() for t in [cache.lengths, cache.pad] + cache.keys + cache.values]
+
     def __call__(self, input_ids):
+        # A real replay reads the tensors at their capture-time addresses: the loop must update
+        # the cache in place, never rebind it, while a graph lives.
+        assert self.storage() == self.captured_storage, "a cache tensor moved after the capture"
         self.input_ids.copy_(input_ids)
         return self.forward(self.input_ids, self.keep).clone()
 
 
-def generate_graph_shaped(monkeypatch, target, draft, ids, mask, **kwargs):
-    """generate() down its CUDA-graph path on the CPU: use_graphs forced on, ReplayByCall standing
-    in for the captures (ReplayByCall.made lists them)."""
+def generate_graph_shaped(monkeypatch, target, draft, ids, mask, replay=None, **kwargs):
+    """generate() down its CUDA-graph path on the CPU: use_graphs forced on, ReplayByCall (or a
+    subclass, `replay`) standing in for the captures (ReplayByCall.made lists them)."""
     gen = importlib.import_module("fsd_ext.generate")  # the module (fsd_ext.generate is the function)
     ReplayByCall.made = []
-    monkeypatch.setattr(gen, "_CudaGraphForward", ReplayByCall)
+    monkeypatch.setattr(gen, "_CudaGraphForward", replay or ReplayByCall)
     init = gen._CachedModel.__init__
     monkeypatch.setattr(gen._CachedModel, "__init__",
                         lambda self, model, pad, capacity, use_graphs: init(self, model, pad, capacity, True))
@@ -430,6 +441,27 @@ def test_graph_shaped_path_matches_eager_on_cpu(target, draft, monkeypatch, rule
     # One replay object per (batch, tokens, kept logits) shape, not one per step.
     assert len(ReplayByCall.made) == len(set(ReplayByCall.made))
     assert graphed.stats.target_forwards == eager.stats.target_forwards
+
+
+def test_graph_captures_are_timed_apart(target, draft, monkeypatch):
+    """Warm-ups and captures (here a stand-in that takes 0.1 s each) go to stats.capture_seconds,
+    not to the models' forward seconds, and decode tokens/s leaves them out."""
+    class SlowCapture(ReplayByCall):
+        def __init__(self, *args):
+            time.sleep(0.1)
+            super().__init__(*args)
+
+    ids, mask = random_prompts([5, 9], seed=42)
+    kwargs = dict(rule="sd", num_draft_tokens=3, max_new_tokens=10, seed=0, eos_token_id=[])
+    eager = fsd_ext.generate(target, draft, ids, mask, **kwargs)
+    assert eager.stats.capture_seconds == 0.0 and "graph captures" not in eager.stats.summary()
+    stats = generate_graph_shaped(monkeypatch, target, draft, ids, mask, replay=SlowCapture, **kwargs).stats
+    captures = len(ReplayByCall.made)  # draft (1 and 2 tokens), target (4 tokens)
+    assert captures >= 2 and 0.1 * captures <= stats.capture_seconds < 0.1 * captures + 0.5
+    assert stats.target_seconds + stats.draft_seconds + stats.capture_seconds <= stats.seconds
+    decode_seconds = stats.seconds - stats.prefill_seconds - stats.capture_seconds
+    assert stats.decode_tokens_per_second == pytest.approx(stats.new_tokens / decode_seconds)
+    assert "graph captures" in stats.summary()
 
 
 @pytest.mark.parametrize("rule,temperature,stop", [
