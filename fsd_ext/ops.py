@@ -197,7 +197,10 @@ def accept(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens
 
     Returns:
         AcceptResult(tokens [B, K+1] int64, num_accepted [B] int64, valid [B] bool,
-        divergence [B, K] float32 or None).
+        divergence [B, K] float32 or None). valid is False for rows with NaN logits or no finite
+        logit; on CUDA, where checking device values would need a host sync, also for rows with
+        draft ids or num_draft out of range or per-row threshold / temperature values out of range
+        (the CPU raises for those).
 
     Example:
         >>> res = fsd_ext.accept(target_logits, draft_logits, draft_tokens, rule="fsd",
@@ -292,7 +295,8 @@ def sample(logits: torch.Tensor, temperature: RowArg = 1.0, top_k: Optional[int]
            generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """One token per row from softmax(filter(logits) / temperature), by inverse CDF on the Philox
     'draft' stream: [V] -> [], [B, V] -> [B], [B, S, V] -> [B, S] int64; -1 for rows holding NaN
-    or no finite logit. temperature 0 = argmax (lowest id on ties); float or [B] tensor.
+    or no finite logit (on CUDA also for a [B] temperature value out of range, which the CPU
+    raises for). temperature 0 = argmax (lowest id on ties); float or [B] tensor.
 
     Example:
         >>> fsd_ext.sample(torch.randn(2, 32000), temperature=0.7, top_p=0.9, seed=0)  # [2]

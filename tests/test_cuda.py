@@ -7,7 +7,8 @@ Run: pytest -m cuda tests/test_cuda.py
   rows over large random batches, all rows on well-separated logits); divergences within 1e-5
   relative of the float64 reference; every dtype, rule, divergence, filter, ragged K, V_d < V_t,
   odd vocabularies;
-- invalid rows: NaN / all -inf logits, draft ids outside the draft vocabulary, num_draft > K;
+- invalid rows: NaN / all -inf logits, draft ids outside the draft vocabulary, num_draft > K,
+  per-row threshold / temperature values out of range;
 - statistics on the GPU: under sd the emitted token follows p (chi-square over 1e5+ rows);
 - CUDA graphs: accept captured once, replayed with a device offset bumped between replays draws
   fresh tokens and matches eager calls; no host synchronisation inside the ops.
@@ -317,6 +318,36 @@ def test_out_of_range_draft_ids_mark_row_invalid(fops):
     res = run_accept(fops, "cuda", target, draft, tokens, num_draft=nd_bad)
     assert res.valid.tolist() == [True, False, False, True, False, False]
     assert (res.tokens[4:] == -1).all()
+
+
+@pytest.mark.parametrize("name,bad", [
+    ("temperature", [-1.0, float("nan"), float("inf")]), ("threshold", [-0.5, float("nan")]),
+    ("div_temperature", [0.0, -1.0, float("nan"), float("inf")])])
+def test_out_of_range_row_values_mark_row_invalid(fops, name, bad):
+    """Per-row values out of range (the CPU raises) cannot raise on CUDA without a host sync: those
+    rows come back invalid, the other rows as with in-range values. sample emits -1 for them."""
+    batch = 8
+    target, draft, tokens, _ = make_case(batch, 3, 500, seed=13)
+    good = torch.full((batch,), 0.7)
+    values = good.clone()
+    rows = list(range(1, 2 * len(bad), 2))  # rows 1, 3, ...
+    values[rows] = torch.tensor(bad)
+    kw = dict(rule="fsd", seed=5, return_divergence=True, temperature=good, threshold=good,
+              div_temperature=good)
+    res = run_accept(fops, "cuda", target, draft, tokens, **dict(kw, **{name: values}))
+    want = run_accept(fops, "cuda", target, draft, tokens, **kw)
+    assert res.valid.tolist() == [b not in rows for b in range(batch)]
+    assert (res.tokens[rows] == -1).all() and (res.num_accepted[rows] == 0).all()
+    assert res.divergence[rows].isnan().all()
+    keep = res.valid
+    assert torch.equal(res.tokens[keep], want.tokens[keep])
+    assert torch.equal(res.num_accepted[keep], want.num_accepted[keep])
+    torch.testing.assert_close(res.divergence[keep], want.divergence[keep], equal_nan=True)
+    if name == "temperature":
+        logits = target[:, 0].cuda()[:, None]  # [B, 1, V]
+        got = fops.sample(logits, temperature=values.cuda(), seed=3)[:, 0].cpu()
+        expected = fops.sample(logits, temperature=good.cuda(), seed=3)[:, 0].cpu()
+        assert (got[rows] == -1).all() and torch.equal(got[keep], expected[keep])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@
 // pointers and calls the kernels.
 #pragma once
 
+#include <cfloat>
 #include <cstdint>
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
@@ -36,6 +37,16 @@ enum class DType : int32_t { Float32 = 0, BFloat16 = 1, Float16 = 2 };
 // Residual max(0, p - q) with total mass at or below this is "no mass" (p == q up to rounding):
 // the correction is then sampled from p. Mirrors RESIDUAL_MASS_EPS in fsd_ext/reference.py.
 constexpr double kResidualMassEps = 1e-6;
+
+// Ranges of the per-row float arguments (NaN is in none). The bindings raise outside them; the
+// CUDA kernels, which cannot check a [B] device tensor without a host sync, mark a row whose value
+// lies outside them invalid (as a NaN row). Templates: the bindings check scalars as doubles.
+template <typename F>
+FSD_INLINE bool threshold_in_range(F threshold) { return threshold >= F(0); }
+template <typename F>  // 0 = greedy; an infinite one would turn the scaled -inf logits into NaN
+FSD_INLINE bool temperature_in_range(F tau) { return tau >= F(0) && tau <= F(FLT_MAX); }
+template <typename F>
+FSD_INLINE bool div_temperature_in_range(F tau) { return tau > F(0) && tau <= F(FLT_MAX); }
 
 // Optional top-k / top-p / min-p filter, applied identically to target and draft (DESIGN.md 2).
 // Each is a logit cutoff: a token survives when its logit is >= the cutoff. Applied in order
@@ -100,6 +111,12 @@ struct AcceptProblem {
   bool* valid = nullptr;            // [B]
   float* divergences = nullptr;     // [B, K]; NaN past num_draft, on invalid rows, and everywhere
   bool need_divergence = true;      // when false (no rule or caller needs D): all NaN, not computed
+
+  // Whether row b's threshold and temperatures lie in their ranges (see temperature_in_range).
+  FSD_INLINE bool row_values_in_range(int64_t b) const {
+    return threshold_in_range(threshold.at(b)) && temperature_in_range(temperature.at(b)) &&
+           (div_uses_sampling || div_temperature_in_range(div_temperature.at(b)));
+  }
 };
 
 // fsd_ext.divergence: rows of logits [N, V] -> [N] float32.

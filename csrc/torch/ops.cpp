@@ -41,14 +41,11 @@ void check_draft_tokens(const Tensor& tokens, const OptTensor& num_draft, int64_
 
 // Per-row float arguments given as tensors must hold valid values too (the scalar forms are
 // checked in problem.h); on the CPU reading them is free.
-void check_row_values(const OptTensor& values, const char* name, bool allow_zero, bool allow_inf = true) {
+void check_row_values(const OptTensor& values, const RowArg& arg) {
   if (!values.has_value()) return;
   const float* v = values->data_ptr<float>();
-  for (int64_t b = 0; b < values->numel(); ++b) {
-    TORCH_CHECK(v[b] >= 0.0f && (allow_zero || v[b] > 0.0f), name, "[", b, "] = ", v[b], " must be ",
-                allow_zero ? ">= 0" : "> 0");
-    TORCH_CHECK(allow_inf || v[b] <= FLT_MAX, name, "[", b, "] = ", v[b], " must be finite");
-  }
+  for (int64_t b = 0; b < values->numel(); ++b)
+    TORCH_CHECK(arg.in_range(v[b]), arg.name, "[", b, "] = ", v[b], " must be ", arg.range);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> accept_cpu(
@@ -65,9 +62,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> accept_cpu(
                         divergence, top_k, top_p, min_p, div_top_k, return_divergence};
   const fsd::AcceptProblem problem = make_accept_problem(args, out);
   check_draft_tokens(draft_tokens, num_draft, problem.draft_vocab);
-  check_row_values(threshold_t, "threshold", true);
-  check_row_values(temperature_t, "temperature", true, false);
-  if (!div_uses_sampling) check_row_values(div_temperature_t, "div_temperature", false, false);
+  check_row_values(threshold_t, kThresholdArg);
+  check_row_values(temperature_t, kTemperatureArg);
+  if (!div_uses_sampling) check_row_values(div_temperature_t, kDivTemperatureArg);
   fsd::cpu::accept(problem, torch_parallel_for);
   return {out.tokens, out.num_accepted, out.valid, out.divergence};
 }
@@ -88,7 +85,7 @@ Tensor sample_cpu(const Tensor& logits, const OptTensor& temperature_t, double t
   const fsd::SampleProblem problem = make_sample_problem(logits, temperature_t, temperature, top_k, top_p,
                                                          min_p, seed_t, seed, seed_per_row, offset_t,
                                                          offset, out);
-  check_row_values(temperature_t, "temperature", true, false);
+  check_row_values(temperature_t, kTemperatureArg);
   fsd::cpu::sample(problem, torch_parallel_for);
   return out;
 }

@@ -4,8 +4,9 @@
 // enqueues the framework-free kernels of csrc/fsd/cuda on the current stream: no host
 // synchronisation, no copy, so every op can be captured in a CUDA graph.
 //
-// Difference from the CPU binding: draft ids outside [0, V_d) or num_draft outside [0, K] cannot
-// raise without a host sync; the kernel marks such a row invalid (valid=False, tokens -1).
+// Difference from the CPU binding: draft ids outside [0, V_d), num_draft outside [0, K] and values
+// of per-row threshold / temperature / div_temperature tensors out of range cannot raise without a
+// host sync; the kernel marks such a row invalid (valid=False, tokens -1; sample: token -1).
 //
 // Compiled only into CUDA builds (setup.py drops *_cuda.cpp otherwise).
 #include <c10/cuda/CUDAStream.h>

@@ -7,7 +7,6 @@
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
-#include <cfloat>
 #include <optional>
 #include <tuple>
 
@@ -44,11 +43,23 @@ inline void check_logits(const Tensor& t, int64_t ndim, const char* name) {
   TORCH_CHECK(t.size(-1) < (int64_t(1) << 31), name, " vocabulary must be < 2^31");
 }
 
-// A float argument given either per row ([B] float32 tensor) or once for the call. Temperatures
-// pass allow_inf = false: an infinite one turns the scaled -inf logits into NaN.
+// A per-row float argument: its name, its range (the predicates of fsd/common.h) as error
+// messages state it.
+struct RowArg {
+  const char* name;
+  bool (*in_range)(double);
+  const char* range;
+};
+inline const RowArg kThresholdArg{"threshold", fsd::threshold_in_range<double>, ">= 0"};
+inline const RowArg kTemperatureArg{"temperature", fsd::temperature_in_range<double>, "finite and >= 0"};
+inline const RowArg kDivTemperatureArg{"div_temperature", fsd::div_temperature_in_range<double>,
+                                       "finite and > 0"};
+
+// A float argument given either per row ([B] float32 tensor) or once for the call (checked here;
+// the values of a tensor are checked by the CPU binding, and by the CUDA kernels row by row).
 inline fsd::RowValue<float> row_value(const OptTensor& per_row, double scalar, int64_t batch,
-                                      const Tensor& like, const char* name, bool allow_zero,
-                                      bool allow_inf = true) {
+                                      const Tensor& like, const RowArg& arg) {
+  const char* name = arg.name;
   fsd::RowValue<float> value;
   if (per_row.has_value()) {
     const Tensor& t = *per_row;
@@ -59,9 +70,7 @@ inline fsd::RowValue<float> row_value(const OptTensor& per_row, double scalar, i
     check_same_device(t, like, name);
     value.per_row = t.data_ptr<float>();
   } else {
-    TORCH_CHECK(scalar >= 0.0 && (allow_zero || scalar > 0.0), name, " must be ",
-                allow_zero ? ">= 0" : "> 0", ", got ", scalar);
-    TORCH_CHECK(allow_inf || scalar <= FLT_MAX, name, " must be finite (float32), got ", scalar);
+    TORCH_CHECK(arg.in_range(scalar), name, " must be ", arg.range, " (float32), got ", scalar);
     value.scalar = (float)scalar;
   }
   return value;
@@ -178,11 +187,10 @@ inline fsd::AcceptProblem make_accept_problem(const AcceptArgs& a, AcceptOutputs
   }
   p.rule = (fsd::Rule)a.rule;
   p.divergence = (fsd::Divergence)a.divergence;
-  p.threshold = row_value(a.threshold_t, a.threshold, batch, target, "threshold", true);
-  p.temperature = row_value(a.temperature_t, a.temperature, batch, target, "temperature", true, false);
+  p.threshold = row_value(a.threshold_t, a.threshold, batch, target, kThresholdArg);
+  p.temperature = row_value(a.temperature_t, a.temperature, batch, target, kTemperatureArg);
   p.div_uses_sampling = a.div_uses_sampling;
-  p.div_temperature = row_value(a.div_temperature_t, a.div_temperature, batch, target,
-                                "div_temperature", false, false);
+  p.div_temperature = row_value(a.div_temperature_t, a.div_temperature, batch, target, kDivTemperatureArg);
   p.div_top_k = a.div_top_k;
   p.filter = sampling_filter(a.top_k, a.top_p, a.min_p);
   p.key = random_key(a.seed_t, a.seed, a.seed_per_row, a.offset_t, a.offset, batch, target);
@@ -211,7 +219,7 @@ inline fsd::DivergenceProblem make_divergence_problem(const Tensor& target, cons
   TORCH_CHECK_TYPE(draft.scalar_type() == target.scalar_type(), "draft_logits and target_logits dtypes differ");
   check_same_device(draft, target, "draft_logits");
   TORCH_CHECK(kind >= 0 && kind <= 4, "kind id must be in [0, 4], got ", kind);
-  TORCH_CHECK(temperature > 0.0 && temperature <= FLT_MAX, "temperature must be finite and > 0, got ",
+  TORCH_CHECK(fsd::div_temperature_in_range(temperature), "temperature must be finite and > 0, got ",
               temperature);
   TORCH_CHECK(top_k >= 0, "top_k must be >= 1 (or 0 for off), got ", top_k);
   fsd::DivergenceProblem p;
@@ -245,7 +253,7 @@ inline fsd::SampleProblem make_sample_problem(const Tensor& logits, const OptTen
   p.logits = logits.data_ptr();
   p.stride_b = logits.stride(0);
   p.stride_s = logits.stride(1);
-  p.temperature = row_value(temperature_t, temperature, p.batch, logits, "temperature", true, false);
+  p.temperature = row_value(temperature_t, temperature, p.batch, logits, kTemperatureArg);
   p.filter = sampling_filter(top_k, top_p, min_p);
   p.key = random_key(seed_t, seed, seed_per_row, offset_t, offset, p.batch, logits);
   out = at::empty({p.batch, p.positions}, logits.options().dtype(at::kLong));

@@ -23,7 +23,8 @@
 //
 // Nothing the size of the vocabulary is written: the workspace holds O(B * K * splits) records.
 // Invalid rows (NaN / no finite logit in a used row, num_draft outside [0, K], a draft id outside
-// [0, V_d)) get tokens -1, num_accepted 0, valid false, divergences NaN.
+// [0, V_d), a per-row threshold or temperature out of range) get tokens -1, num_accepted 0, valid
+// false, divergences NaN.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -88,6 +89,9 @@ struct RowTemps {
 };
 __device__ __forceinline__ RowTemps row_temps(const AcceptProblem& pb, int64_t b) {
   RowTemps t;
+  // A row whose values are out of range comes out invalid (finish_row); meanwhile plain ones keep
+  // its statistics finite.
+  if (!pb.row_values_in_range(b)) return RowTemps{1.0f, 1.0f, false};
   const float tau = pb.temperature.at(b);
   t.greedy = tau == 0.0f;
   const bool div_own = pb.need_divergence && !pb.div_uses_sampling;
@@ -292,7 +296,7 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
       position_ok = position_ok && token >= 0 && token < pb.draft_vocab;
     }
   }
-  const bool valid = __syncthreads_and(nd_ok && position_ok) != 0;
+  const bool valid = __syncthreads_and(nd_ok && position_ok && pb.row_values_in_range(b)) != 0;
   for (int64_t i = threadIdx.x; i <= k; i += blockDim.x) tokens[i] = -1;
   for (int64_t i = threadIdx.x; i < k; i += blockDim.x)
     if (!valid || i >= nd || !pb.need_divergence) pb.divergences[b * k + i] = kNaN;

@@ -48,7 +48,8 @@ __global__ void __launch_bounds__(kThreads) divergence_rows_kernel(const Diverge
   if (threadIdx.x == 0) pb.out[r] = finish_pass_two(pb.divergence, sums, top.on);
 }
 
-// One token per (row, position) by inverse CDF on the Draft stream; -1 for bad rows.
+// One token per (row, position) by inverse CDF on the Draft stream; -1 for bad rows (NaN or no
+// finite logit, or a per-row temperature out of range).
 // Grid: (positions, batch).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const SampleProblem pb) {
@@ -56,6 +57,10 @@ __global__ void __launch_bounds__(kThreads) sample_rows_kernel(const SampleProbl
   const T* row = static_cast<const T*>(pb.logits) + b * pb.stride_b + s * pb.stride_s;
   int64_t* out = pb.tokens + b * pb.positions + s;
   const float tau = pb.temperature.at(b);
+  if (!temperature_in_range(tau)) {  // block-uniform
+    if (threadIdx.x == 0) *out = -1;
+    return;
+  }
   const float inv = tau == 0.0f ? 1.0f : inverse_temperature(tau);
   __shared__ union {
     typename StatReduce<T>::TempStorage stat;
