@@ -270,7 +270,9 @@ struct FinalShared {
   int64_t chunk;       // the chunk the sample lies in (-1: rounding ran past the end)
   int64_t last_chunk;  // the last chunk with positive weight
   double base, target;
-  int32_t mode;
+  int32_t mode;         // after the acceptance scan: done, or what to sample
+  int32_t sample_mode;  // after step 4: mode, or p when the residual has no mass (a separate
+                        // field: other warps may still be reading mode while warp 0 decides)
 };
 
 // The last block of row b: validity, divergences, the acceptance scan, the correction / bonus token.
@@ -409,7 +411,7 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
       }
     }
     if (threadIdx.x == 0) {
-      sh.mode = mode;
+      sh.sample_mode = mode;
       sh.chunk = chosen;
       sh.last_chunk = last_chunk;
       sh.base = base;
@@ -419,7 +421,7 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
   __syncthreads();
 
   // 5. Inverse CDF inside the chosen chunk (block scan over tiles).
-  const int32_t mode = sh.mode;
+  const int32_t mode = sh.sample_mode;
   const T* target = target_row<T>(pb, b, at);
   const T* draft = draft_row<T>(pb, b, at);
   const int64_t draft_vocab = at < nd ? pb.draft_vocab : 0;
