@@ -9,6 +9,7 @@ decoding loop over a pair of Hugging Face causal LMs.
 from importlib import metadata as _metadata
 
 from . import reference
+from .cuda_graphs import release_cuda_graphs
 from .generate import GenerateOutput, GenerateStats, generate
 from .ops import accept, divergence, philox_uniforms, sample
 from .types import DIVERGENCES, RULES, AcceptResult
@@ -18,4 +19,4 @@ try:  # one source of the version: pyproject.toml, through the installed metadat
 except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
     __version__ = "unknown"
 __all__ = ["accept", "divergence", "sample", "philox_uniforms", "reference", "AcceptResult",
-           "RULES", "DIVERGENCES", "generate", "GenerateOutput", "GenerateStats"]
+           "RULES", "DIVERGENCES", "generate", "GenerateOutput", "GenerateStats", "release_cuda_graphs"]

@@ -18,7 +18,8 @@ per step. Rows keep their own lengths in a static KV cache (fsd_ext.kv_cache); a
 or reaches max_new_tokens leaves the batch. On CUDA, each fixed-shape forward (the draft's one- and
 two-token steps, the target's (K+1)-token verification) is captured in a CUDA graph once per batch
 size and replayed; there the batch shrinks to powers of two only (stopped rows wait, parked, see
-_Decoder), so a batch of B rows is captured for at most ceil(log2 B) + 1 sizes.
+_Decoder), so a batch of B rows is captured for at most ceil(log2 B) + 1 sizes, and the graphs (with
+the static cache they read) are kept for the next call (fsd_ext.cuda_graphs).
 
 Why the draft may re-read one token: after a step that accepted all K drafts, d_{K-1} was never fed
 to the draft. Instead of a ragged catch-up call, the next step then rolls every row of the draft's
@@ -41,7 +42,7 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from . import ops, reference
+from . import cuda_graphs, ops, reference
 from .cpu_linear import skinny_cpu_linears as skinny_linears_during
 from .kv_cache import StaticKVCache
 from .types import DIVERGENCES, PURPOSE_ACCEPT, RULES
@@ -121,35 +122,17 @@ class GenerateOutput:
 # ----------------------------------------------------------------------------------------------
 # One model with its static cache.
 
-class _CudaGraphForward:
-    """One captured forward of S tokens per row; replay reads the cache's live lengths."""
-
-    def __init__(self, forward, input_ids: torch.Tensor, keep: int):
-        self.input_ids = input_ids.clone()  # [B, S] static input buffer
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up (lazy allocations, kernel selection)
-            for _ in range(2):
-                forward(self.input_ids, keep)
-        torch.cuda.current_stream().wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = forward(self.input_ids, keep)  # [B, keep, V] static output buffer
-
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        self.input_ids.copy_(input_ids)
-        self.graph.replay()
-        return self.logits.clone()
-
-
 class _CachedModel:
-    """A Hugging Face causal LM, its StaticKVCache, its captured graphs and its call counters."""
+    """A Hugging Face causal LM in one generate call: its StaticKVCache, its captured graphs (with
+    graphs on, both kept from call to call: fsd_ext.cuda_graphs) and its call counters."""
 
     def __init__(self, model, pad: torch.Tensor, capacity: int, use_graphs: bool):
         self.model = model
-        self.cache = StaticKVCache(pad, capacity)
         self.use_graphs = use_graphs
-        self.graphs = {}  # (num_tokens, keep) -> _CudaGraphForward
+        self.graph_state = cuda_graphs.acquire(model, pad, capacity) if use_graphs else None
+        self.cache = self.graph_state.cache if use_graphs else StaticKVCache(pad, capacity)
+        # (batch, num_tokens, keep) -> cuda_graphs.CapturedForward
+        self.graphs = self.graph_state.graphs if use_graphs else {}
         self.calls, self.seconds = 0, 0.0
         self.capture_seconds = 0.0  # warm-ups and captures, not in self.seconds
         self.dtype = next(model.parameters()).dtype
@@ -176,10 +159,10 @@ class _CachedModel:
         return logits[:, -keep:]
 
     def __call__(self, input_ids: torch.Tensor, keep: int, prefill: bool = False) -> torch.Tensor:
-        graphed, key = self.use_graphs and not prefill, (input_ids.shape[1], keep)
+        graphed, key = self.use_graphs and not prefill, (*input_ids.shape, keep)
         if graphed and key not in self.graphs:  # timed apart: a one-time cost, not a forward
             capture_start = time.perf_counter()
-            self.graphs[key] = _CudaGraphForward(self._forward, input_ids, keep)
+            self.graphs[key] = cuda_graphs.CapturedForward(self._forward, input_ids, keep)
             self.capture_seconds += time.perf_counter() - capture_start
         start = time.perf_counter()
         logits = self.graphs[key](input_ids) if graphed else self._forward(input_ids, keep)
@@ -190,9 +173,14 @@ class _CachedModel:
         return logits
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only batch rows `rows`; the captured graphs (fixed batch size) are dropped."""
+        """Keep only batch rows `rows` (moved in place to the cache's first rows, which is what the
+        graphs captured for that batch size read)."""
         self.cache.select(rows)
-        self.graphs.clear()
+
+    def release(self) -> None:
+        """The call is over: its graph state may serve the next one."""
+        if self.graph_state is not None:
+            cuda_graphs.release(self.graph_state)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,6 +230,10 @@ def _check_args(target, draft, input_ids, attention_mask, rule, divergence, thre
                 or (mask[:, -1] != 1).any():
             raise ValueError("attention_mask must be 0/1 with the prompts left-padded "
                              "(tokenizer.padding_side = 'left') and no empty prompt")
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= _vocab_size(target):  # on CUDA the embedding would kill the process
+        raise ValueError(f"input_ids must hold ids in the target vocabulary [0, {_vocab_size(target)}), "
+                         f"got ids from {low} to {high}")
     if not isinstance(num_draft_tokens, numbers.Integral) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
     if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
@@ -592,27 +584,33 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         pad = 1 + (prompt_mask == 0).sum(1)  # [B] leading padding slots per row
         ids = torch.cat([torch.full_like(input_ids[:, :1], pad_token_id), input_ids], 1)  # [B, P+1]
         capacity = prompt_len + 1 + max_new_tokens + settings.k + 1
-        target_model = _CachedModel(target, pad, capacity, use_graphs)
-        draft_model = _CachedModel(draft, pad, capacity, use_graphs) if settings.speculative else None
-
         stats = GenerateStats(rule=rule, num_draft_tokens=settings.k,
                               accepted_histogram=[0] * (settings.k + 1),
                               divergences=[] if output_divergences else None)
         if settings.count_sd_rejections or rule == "sd":
             stats.sd_rejected_accepted = 0  # sd: by definition
-        prefill_start = time.perf_counter()
-        for cached, prompt in ((target_model, ids), (draft_model, settings.for_draft(ids))):
-            if cached is not None:  # prefill all but the last token
-                cached(prompt[:, :-1], keep=1, prefill=True)
-                cached.cache.lengths.fill_(prompt_len)
-        stats.prefill_seconds = time.perf_counter() - prefill_start
+        cached_models = []  # their graph states (CUDA) go back when the call ends, however it ends
+        try:
+            target_model = _CachedModel(target, pad, capacity, use_graphs)
+            cached_models.append(target_model)
+            draft_model = _CachedModel(draft, pad, capacity, use_graphs) if settings.speculative else None
+            cached_models += [draft_model] if draft_model is not None else []
+            prefill_start = time.perf_counter()
+            for cached, prompt in ((target_model, ids), (draft_model, settings.for_draft(ids))):
+                if cached is not None:  # prefill all but the last token
+                    cached(prompt[:, :-1], keep=1, prefill=True)
+                    cached.cache.lengths.fill_(prompt_len)
+            stats.prefill_seconds = time.perf_counter() - prefill_start
 
-        if streamer is not None:
-            streamer.put(input_ids.cpu())
-        generated = _Decoder(settings, target_model, draft_model, ids, seeds, threshold, stats,
-                             streamer).run()
-        if streamer is not None:
-            streamer.end()
+            if streamer is not None:
+                streamer.put(input_ids.cpu())
+            generated = _Decoder(settings, target_model, draft_model, ids, seeds, threshold, stats,
+                                 streamer).run()
+            if streamer is not None:
+                streamer.end()
+        finally:
+            for cached in cached_models:
+                cached.release()
 
     width = max(len(g) for g in generated)
     new_part = torch.full((batch, width), pad_token_id, dtype=torch.int64)  # [B, N]

@@ -11,7 +11,10 @@ cache is the minimum that allows it:
 - a forward of S new tokens writes row b's tokens to slots lengths[b] + 0..S-1 (`write_slots`),
   whatever was there before;
 - rolling back = setting `lengths` smaller. The stale entries past a row's length stay in memory,
-  excluded by the attention mask (`attention_inputs`) and overwritten by the next write.
+  excluded by the attention mask (`attention_inputs`) and overwritten by the next write;
+- the buffers hold `max_batch` rows; the live batch is their first `batch` rows (views), and
+  dropping rows moves the kept ones to the front in place, so every tensor keeps its address (a
+  captured CUDA graph reads them there) and a later call may reuse the cache with fewer rows.
 
 The model sees it through the two calls that its attention layers make: `update` (transformers 4.5x
 passes `cache_kwargs` positionally, 5.x as `kwargs=`) and, only when no position_ids are given,
@@ -30,18 +33,29 @@ class StaticKVCache:
     """Per-row-length static KV cache (see the module docstring).
 
     Args:
-        pad: [B] int64, the number of leading padding slots of each row.
+        pad: [B] int64, the number of leading padding slots of each row (B = max_batch).
         capacity: slots per row; a row must never be written past it.
     """
 
     def __init__(self, pad: torch.Tensor, capacity: int):
-        self.pad = pad.to(torch.int64).clone()  # [B]
-        self.lengths = torch.zeros_like(self.pad)  # [B] committed slots per row
         self.capacity = int(capacity)
+        self.max_batch = len(pad)
         self.write_slots = None  # [B, S] slots the next forward writes, set by attention_inputs
         self.kv_len = self.capacity  # slots the attention reads (a prefix of the buffers)
-        self.keys: List[torch.Tensor] = []  # per layer [B, H_kv, capacity, D]
-        self.values: List[torch.Tensor] = []
+        # The buffers ([max_batch, ...]); pad, lengths, keys and values below are views of their
+        # first `batch` rows.
+        self._pad = pad.to(torch.int64).clone()
+        self._lengths = torch.zeros_like(self._pad)
+        self._keys: List[torch.Tensor] = []  # per layer [max_batch, H_kv, capacity, D]
+        self._values: List[torch.Tensor] = []
+        self._use_rows(self.max_batch)
+
+    def _use_rows(self, batch: int) -> None:
+        self.batch = batch
+        self.pad = self._pad[:batch]  # [B]
+        self.lengths = self._lengths[:batch]  # [B] committed slots per row
+        self.keys = [k[:batch] for k in self._keys]  # per layer [B, H_kv, capacity, D]
+        self.values = [v[:batch] for v in self._values]
 
     # ------------------------------------------------------------------------------------------
     # What the loop calls.
@@ -66,11 +80,21 @@ class StaticKVCache:
         return position_ids, mask
 
     def select(self, rows: torch.Tensor) -> None:
-        """Keep only the batch rows `rows` ([B'] int64), in that order."""
-        self.pad = self.pad[rows]
-        self.lengths = self.lengths[rows]
-        self.keys = [k[rows] for k in self.keys]
-        self.values = [v[rows] for v in self.values]
+        """Keep only the batch rows `rows` ([B'] int64), in that order, moved in place to the first
+        B' rows of the buffers."""
+        kept = len(rows)
+        for buffer in [self._pad, self._lengths] + self._keys + self._values:
+            buffer[:kept] = buffer[rows]  # (the right side is a copy: any order of rows is safe)
+        self._use_rows(kept)
+
+    def reset(self, pad: torch.Tensor) -> None:
+        """Start over with len(pad) <= max_batch rows of `pad` leading padding slots and nothing
+        committed (the buffers' old entries are past every length, so never attended to)."""
+        if len(pad) > self.max_batch:
+            raise ValueError(f"the cache holds {self.max_batch} rows, got {len(pad)}")
+        self._pad[:len(pad)].copy_(pad)
+        self._lengths.zero_()
+        self._use_rows(len(pad))
 
     # ------------------------------------------------------------------------------------------
     # What the model calls.
@@ -79,11 +103,13 @@ class StaticKVCache:
                cache_kwargs=None, **unused) -> Tuple[torch.Tensor, torch.Tensor]:
         """Write [B, H_kv, S, D] new keys/values at `write_slots`; return the layer's K/V over the
         first `kv_len` slots, [B, H_kv, kv_len, D]."""
-        if layer_idx == len(self.keys):
-            batch, heads, _, head_dim = key_states.shape
-            shape = (batch, heads, self.capacity, head_dim)
-            self.keys.append(torch.zeros(shape, dtype=key_states.dtype, device=key_states.device))
-            self.values.append(torch.zeros(shape, dtype=value_states.dtype, device=value_states.device))
+        if layer_idx == len(self._keys):  # the first forward allocates the layer's buffers
+            _, heads, _, head_dim = key_states.shape
+            shape = (self.max_batch, heads, self.capacity, head_dim)
+            self._keys.append(torch.zeros(shape, dtype=key_states.dtype, device=key_states.device))
+            self._values.append(torch.zeros(shape, dtype=value_states.dtype, device=value_states.device))
+            self.keys.append(self._keys[-1][:self.batch])
+            self.values.append(self._values[-1][:self.batch])
         index = self.write_slots[:, None, :, None].expand_as(key_states)  # [B, H_kv, S, D]
         self.keys[layer_idx].scatter_(2, index, key_states)
         self.values[layer_idx].scatter_(2, index, value_states)

@@ -576,7 +576,9 @@ def test_generate_cuda_graphs_park_stopped_rows(fops, monkeypatch, rule):
 
     generate_module = importlib.import_module("fsd_ext.generate")
     eager_sizes, captured = [], []  # batch size of every eager forward / of every capture
-    real_forward, real_init = generate_module._CachedModel._forward, generate_module._CudaGraphForward.__init__
+    from fsd_ext import cuda_graphs
+
+    real_forward, real_init = generate_module._CachedModel._forward, cuda_graphs.CapturedForward.__init__
 
     def counting_forward(self, input_ids, keep):
         if not self.use_graphs:
@@ -588,7 +590,7 @@ def test_generate_cuda_graphs_park_stopped_rows(fops, monkeypatch, rule):
         real_init(self, forward, input_ids, keep)
 
     monkeypatch.setattr(generate_module._CachedModel, "_forward", counting_forward)
-    monkeypatch.setattr(generate_module._CudaGraphForward, "__init__", counting_init)
+    monkeypatch.setattr(cuda_graphs.CapturedForward, "__init__", counting_init)
     target, draft = tiny_cuda_llama(0, 2), tiny_cuda_llama(1, 1)
     ids, mask = left_padded_prompts([4, 11, 1, 7, 9, 3], seed=4)
     kwargs = dict(rule=rule, temperature=0.0, threshold=0.3, num_draft_tokens=4, max_new_tokens=30,
@@ -602,3 +604,34 @@ def test_generate_cuda_graphs_park_stopped_rows(fops, monkeypatch, rule):
                  "target_forwards", "draft_forwards"):
         assert getattr(graphed.stats, name) == getattr(eager.stats, name), name
     assert set(captured) <= allowed and len(set(captured)) > 1, captured
+
+
+def test_generate_cuda_graphs_reused_by_the_next_call(fops, monkeypatch):
+    """A second call that fits replays the first call's graphs (real ones): no capture, the same
+    tokens as eager; fewer rows replay the graphs captured for the smaller sizes."""
+    import fsd_ext
+    from fsd_ext import cuda_graphs
+
+    captured = []
+    real_init = cuda_graphs.CapturedForward.__init__
+
+    def counting_init(self, forward, input_ids, keep):
+        captured.append(tuple(input_ids.shape))
+        real_init(self, forward, input_ids, keep)
+
+    monkeypatch.setattr(cuda_graphs.CapturedForward, "__init__", counting_init)
+    target, draft = tiny_cuda_llama(0, 2), tiny_cuda_llama(1, 1)
+    ids, mask = left_padded_prompts([4, 11, 1, 7], seed=5)
+    kwargs = dict(rule="fsd", temperature=0.0, threshold=0.3, num_draft_tokens=4, max_new_tokens=24,
+                  seed=0, eos_token_id=list(range(3, 256, 9)))
+    eager = fsd_ext.generate(target, draft, ids, mask, use_cuda_graphs=False, **kwargs)
+    first = fsd_ext.generate(target, draft, ids, mask, use_cuda_graphs=True, **kwargs)
+    assert first.sequences.tolist() == eager.sequences.tolist() and captured
+    captured.clear()
+    second = fsd_ext.generate(target, draft, ids, mask, use_cuda_graphs=True, **kwargs)
+    assert second.sequences.tolist() == eager.sequences.tolist()
+    assert captured == [] and second.stats.capture_seconds == 0.0
+    fewer = fsd_ext.generate(target, draft, ids[2:], mask[2:], use_cuda_graphs=True, **kwargs)
+    eager_fewer = fsd_ext.generate(target, draft, ids[2:], mask[2:], use_cuda_graphs=False, **kwargs)
+    assert fewer.sequences.tolist() == eager_fewer.sequences.tolist()
+    cuda_graphs.release_cuda_graphs()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fsd_ext
+from fsd_ext import cuda_graphs
 from fsd_ext.generate import check_tokenizers
 
 transformers = pytest.importorskip("transformers")
@@ -389,8 +390,8 @@ def test_smaller_draft_vocabulary(target):
 # The CUDA-graph path's logic, emulated on the CPU (tests/test_cuda.py captures real graphs).
 
 class ReplayByCall:
-    """Stands in for _CudaGraphForward: keeps the static input buffer and "replays" by calling the
-    forward on it again, as a captured graph would read the buffer and the live cache."""
+    """Stands in for cuda_graphs.CapturedForward: keeps the static input buffer and "replays" by
+    calling the forward on it again, as a captured graph would read the buffer and the live cache."""
 
     made = []
 
@@ -414,12 +415,15 @@ class ReplayByCall:
         return self.forward(self.input_ids, self.keep).clone()
 
 
-def generate_graph_shaped(monkeypatch, target, draft, ids, mask, replay=None, **kwargs):
+def generate_graph_shaped(monkeypatch, target, draft, ids, mask, replay=None, reuse=False, **kwargs):
     """generate() down its CUDA-graph path on the CPU: use_graphs forced on, ReplayByCall (or a
-    subclass, `replay`) standing in for the captures (ReplayByCall.made lists them)."""
+    subclass, `replay`) standing in for the captures (ReplayByCall.made lists them), from no kept
+    graph state unless `reuse`."""
     gen = importlib.import_module("fsd_ext.generate")  # the module (fsd_ext.generate is the function)
+    if not reuse:
+        cuda_graphs.release_cuda_graphs()
     ReplayByCall.made = []
-    monkeypatch.setattr(gen, "_CudaGraphForward", replay or ReplayByCall)
+    monkeypatch.setattr(cuda_graphs, "CapturedForward", replay or ReplayByCall)
     init = gen._CachedModel.__init__
     monkeypatch.setattr(gen._CachedModel, "__init__",
                         lambda self, model, pad, capacity, use_graphs: init(self, model, pad, capacity, True))
@@ -512,6 +516,67 @@ def test_graph_path_parks_stopped_rows_until_a_power_of_two(target, draft, monke
             torch.testing.assert_close(a, b, equal_nan=True)
     sizes = {batch for batch, _, _ in ReplayByCall.made}
     assert sizes <= allowed and len(lengths) in sizes and len(sizes) > 1, sizes
+
+
+def test_graph_state_is_reused_by_later_calls(target, draft, monkeypatch):
+    """The cache and graphs of a graph-path call serve later calls that fit (no new capture, the
+    same tokens as eager), including smaller batches; a larger batch, a much longer call or moved
+    weights get a new state; a failing call gives its state back."""
+    ids, mask = random_prompts([5, 12, 2, 7, 9, 3], seed=43)
+    kwargs = dict(rule="fsd", temperature=0.0, threshold=0.3, num_draft_tokens=3, max_new_tokens=20,
+                  eos_token_id=list(range(3, VOCAB, 9)))
+
+    def run(ids, mask, reuse=True, **extra):
+        args = dict(kwargs, **extra)
+        graphed = generate_graph_shaped(monkeypatch, target, draft, ids, mask, reuse=reuse, **args)
+        monkeypatch.undo()  # back to the eager path for the comparison
+        assert graphed.sequences.tolist() == fsd_ext.generate(target, draft, ids, mask, **args).sequences.tolist()
+        return graphed.stats, list(ReplayByCall.made), cuda_graphs._states[target]
+
+    _, first, state = run(ids, mask, reuse=False)
+    assert {batch for batch, _, _ in first} > {6}, "the first call shrank its batch"
+    stats, made, again = run(ids, mask)
+    assert made == [] and again is state and stats.capture_seconds == 0.0
+    _, made, again = run(ids[[1, 4]], mask[[1, 4]])  # two rows: the cache's first two
+    assert again is state and all(batch <= 2 for batch, _, _ in made)
+    _, made, again = run(torch.cat([ids, ids[:2]]), torch.cat([mask, mask[:2]]))  # 8 rows
+    assert again is not state and (8, 1, 1) in made
+    state = again
+    _, _, again = run(ids, mask, max_new_tokens=600)  # needs over twice the cached capacity
+    assert again is not state and again.cache.capacity % cuda_graphs.CAPACITY_STEP == 0
+    state = again
+    weight = target.lm_head.weight
+    with torch.no_grad():
+        target.lm_head.weight = torch.nn.Parameter(weight.detach().clone())  # same values, moved
+    try:
+        _, made, again = run(ids, mask)
+    finally:
+        target.lm_head.weight = weight
+    assert again is not state and made
+    gen = importlib.import_module("fsd_ext.generate")
+
+    def fail(self):
+        raise RuntimeError("fails mid-call")
+
+    monkeypatch.setattr(gen._Decoder, "run", fail)
+    with pytest.raises(RuntimeError, match="mid-call"):
+        generate_graph_shaped(monkeypatch, target, draft, ids, mask, reuse=True, **kwargs)
+    assert not cuda_graphs._states[target].in_use and not cuda_graphs._states[draft].in_use
+    monkeypatch.undo()
+    cuda_graphs.release_cuda_graphs()
+    assert not cuda_graphs._states
+
+
+def test_graph_path_with_the_same_model_as_target_and_draft(target, monkeypatch):
+    """One model in both roles: its second use gets a private state; the tokens equal eager."""
+    ids, mask = random_prompts([5, 9], seed=44)
+    kwargs = dict(rule="sd", temperature=0.0, num_draft_tokens=3, max_new_tokens=12, eos_token_id=[])
+    eager = fsd_ext.generate(target, target, ids, mask, **kwargs)
+    graphed = generate_graph_shaped(monkeypatch, target, target, ids, mask, **kwargs)
+    assert graphed.sequences.tolist() == eager.sequences.tolist()
+    assert graphed.stats.accepted_drafts == eager.stats.accepted_drafts
+    assert len(cuda_graphs._states) == 1 and not cuda_graphs._states[target].in_use
+    cuda_graphs.release_cuda_graphs()
 
 
 def forward_under_fake_tensors(model, use_graphs, num_tokens, keep):
@@ -616,8 +681,11 @@ def test_bad_inputs_raise(target, draft):
         fsd_ext.generate(target, None, ids, mask, rule="sd", max_new_tokens=4)
     with pytest.raises(ValueError, match="batch size 1"):
         fsd_ext.generate(target, draft, ids, mask, max_new_tokens=4, streamer=object())
-    with pytest.raises(ValueError, match="vocabulary"):
-        fsd_ext.generate(tiny_llama(4, layers=1, vocab=64), draft, ids, mask, max_new_tokens=4)
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        fsd_ext.generate(tiny_llama(4, layers=1, vocab=64), draft, ids % 64, mask, max_new_tokens=4)
+    for bad_ids in (ids + VOCAB, -ids):  # the embedding would fail (on CUDA: a device-side assert)
+        with pytest.raises(ValueError, match="target vocabulary"):
+            fsd_ext.generate(target, draft, bad_ids, mask, max_new_tokens=4)
     assert fsd_ext.generate(target, None, ids, mask, rule="ar", max_new_tokens=2).sequences.shape == (2, 6)
 
 
