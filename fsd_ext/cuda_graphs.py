@@ -6,21 +6,28 @@ costs a few forwards (two warm-ups and the capture itself) per shape and batch s
 of a short call; so each model keeps its static KV cache and the graphs captured over it (a
 `GraphState`), and a later call reuses them when it fits:
 
-- the model's weights are where they were (a graph bakes in the address of everything it reads:
-  a model moved away and back, cast, or given a new parameter tensor gets a new state);
+- the model is as it was (a graph replays the kernels it recorded and bakes in the address of
+  everything it reads): the same parameter and buffer tensors (address, dtype, shape), forward
+  hooks and attention implementation; a model moved away and back, cast, given a new parameter
+  tensor or a hook gets a new state. Other changes to what the forward computes (e.g. switching
+  a PEFT adapter) are not seen: call release_cuda_graphs(model) after them;
 - the call has at most the cached batch size (fewer rows use the cache's first rows, and the
   graphs captured for those sizes) and needs at most the cached capacity, but not less than half
   of it (the graphs' attention reads the whole cache).
 
 Otherwise the call builds a new state (capacity rounded up to 256 slots) that replaces the old one.
 A state serves one call at a time: a model in use twice at once (the same model as target and draft,
-or two threads) gets a private state for its second use. The cache stays allocated between calls;
+or two threads) gets a private state for its second use. A reused cache is zeroed first (a failed
+call may have left NaN past the lengths, which the attention mask cannot hide). The graphs of a
+state share one memory pool: they are replayed one at a time and each output is copied out at
+once, so one graph's scratch memory may be another's. The cache stays allocated between calls;
 `release_cuda_graphs()` drops the states (of one model, or all), and a model's state goes with it.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from typing import Dict, Optional, Tuple
 
@@ -34,7 +41,8 @@ CAPACITY_STEP = 256  # a new state's capacity is a multiple of this
 class CapturedForward:
     """One captured forward of S tokens per row; replay reads the cache's live lengths."""
 
-    def __init__(self, forward, input_ids: torch.Tensor, keep: int):
+    def __init__(self, forward, input_ids: torch.Tensor, keep: int, pool=None):
+        """pool: another graph's pool() to share (None: a new one)."""
         self.input_ids = input_ids.clone()  # [B, S] static input buffer
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -43,8 +51,9 @@ class CapturedForward:
                 forward(self.input_ids, keep)
         torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=pool):
             self.logits = forward(self.input_ids, keep)  # [B, keep, V] static output buffer
+        self.pool = self.graph.pool()
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         self.input_ids.copy_(input_ids)
@@ -52,8 +61,13 @@ class CapturedForward:
         return self.logits.clone()
 
 
-def _weight_addresses(model) -> Tuple[int, ...]:
-    return tuple(t.data_ptr() for t in itertools.chain(model.parameters(), model.buffers()))
+def _fingerprint(model) -> tuple:
+    """What a replay silently assumes of the model (see the module docstring)."""
+    tensors = tuple((t.data_ptr(), t.dtype, tuple(t.shape))
+                    for t in itertools.chain(model.parameters(), model.buffers()))
+    hooks = tuple(tuple(hooks) for m in model.modules()
+                  for hooks in (m._forward_pre_hooks, m._forward_hooks))
+    return tensors, hooks, getattr(model.config, "_attn_implementation", None)
 
 
 class GraphState:
@@ -62,43 +76,47 @@ class GraphState:
     def __init__(self, model, pad: torch.Tensor, capacity: int):
         self.cache = StaticKVCache(pad, capacity)
         self.graphs: Dict[Tuple[int, int, int], CapturedForward] = {}
-        self.weights = _weight_addresses(model)
+        self.fingerprint = _fingerprint(model)
         self.in_use = False
 
     def fits(self, model, batch: int, capacity: int) -> bool:
         cached = self.cache.capacity
         return (batch <= self.cache.max_batch and capacity <= cached <= 2 * max(capacity, CAPACITY_STEP)
-                and self.weights == _weight_addresses(model))
+                and self.fingerprint == _fingerprint(model))
 
 
 _states: "weakref.WeakKeyDictionary[torch.nn.Module, GraphState]" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()  # over _states and every state's in_use
 
 
 def acquire(model, pad: torch.Tensor, capacity: int) -> GraphState:
     """The state a call of len(pad) rows (leading padding `pad`) needing `capacity` slots per row
     decodes `model` with: the model's own when it fits, reset to these rows; else a new one. Give
     it back with release() when the call ends."""
-    state = _states.get(model)
-    if state is not None and state.in_use:  # in use by this very call or another thread
-        state = GraphState(model, pad, capacity)
-    elif state is not None and state.fits(model, len(pad), capacity):
-        state.cache.reset(pad)
-    else:
-        _states.pop(model, None)  # free the old graphs and cache before allocating new ones
-        state = GraphState(model, pad, -(-capacity // CAPACITY_STEP) * CAPACITY_STEP)
-        _states[model] = state
-    state.in_use = True
-    return state
+    with _lock:
+        state = _states.get(model)
+        if state is not None and state.in_use:  # in use by this very call or another thread
+            state = GraphState(model, pad, capacity)
+        elif state is not None and state.fits(model, len(pad), capacity):
+            state.cache.reset(pad)
+        else:
+            _states.pop(model, None)  # free the old graphs and cache before allocating new ones
+            state = GraphState(model, pad, -(-capacity // CAPACITY_STEP) * CAPACITY_STEP)
+            _states[model] = state
+        state.in_use = True
+        return state
 
 
 def release(state: GraphState) -> None:
-    state.in_use = False
+    with _lock:
+        state.in_use = False
 
 
 def release_cuda_graphs(model: Optional[torch.nn.Module] = None) -> None:
     """Drop the CUDA graphs and static KV cache that generate keeps for `model` (every model when
     None), so their GPU memory can be reused; a later call captures again."""
-    if model is None:
-        _states.clear()
-    else:
-        _states.pop(model, None)
+    with _lock:
+        if model is None:
+            _states.clear()
+        else:
+            _states.pop(model, None)

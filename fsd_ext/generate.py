@@ -129,10 +129,6 @@ class _CachedModel:
     def __init__(self, model, pad: torch.Tensor, capacity: int, use_graphs: bool):
         self.model = model
         self.use_graphs = use_graphs
-        self.graph_state = cuda_graphs.acquire(model, pad, capacity) if use_graphs else None
-        self.cache = self.graph_state.cache if use_graphs else StaticKVCache(pad, capacity)
-        # (batch, num_tokens, keep) -> cuda_graphs.CapturedForward
-        self.graphs = self.graph_state.graphs if use_graphs else {}
         self.calls, self.seconds = 0, 0.0
         self.capture_seconds = 0.0  # warm-ups and captures, not in self.seconds
         self.dtype = next(model.parameters()).dtype
@@ -141,6 +137,11 @@ class _CachedModel:
         self.pass_cache_position = "cache_position" in params  # 4.5x: else it asks the cache
         self.keep_arg = next((name for name in ("logits_to_keep", "num_logits_to_keep")
                               if name in params), None)
+        # Last: a graph state is given back by release(), which a failed __init__ never reaches.
+        self.graph_state = cuda_graphs.acquire(model, pad, capacity) if use_graphs else None
+        self.cache = self.graph_state.cache if use_graphs else StaticKVCache(pad, capacity)
+        # (batch, num_tokens, keep) -> cuda_graphs.CapturedForward
+        self.graphs = self.graph_state.graphs if use_graphs else {}
 
     def _forward(self, input_ids: torch.Tensor, keep: int) -> torch.Tensor:
         """[B, S] token ids appended at each row's length -> logits [B, keep, V] of the last keep."""
@@ -162,7 +163,8 @@ class _CachedModel:
         graphed, key = self.use_graphs and not prefill, (*input_ids.shape, keep)
         if graphed and key not in self.graphs:  # timed apart: a one-time cost, not a forward
             capture_start = time.perf_counter()
-            self.graphs[key] = cuda_graphs.CapturedForward(self._forward, input_ids, keep)
+            pool = next(iter(self.graphs.values())).pool if self.graphs else None  # one per model
+            self.graphs[key] = cuda_graphs.CapturedForward(self._forward, input_ids, keep, pool)
             self.capture_seconds += time.perf_counter() - capture_start
         start = time.perf_counter()
         logits = self.graphs[key](input_ids) if graphed else self._forward(input_ids, keep)

@@ -89,11 +89,14 @@ class StaticKVCache:
 
     def reset(self, pad: torch.Tensor) -> None:
         """Start over with len(pad) <= max_batch rows of `pad` leading padding slots and nothing
-        committed (the buffers' old entries are past every length, so never attended to)."""
+        committed. The old entries, past every length, are masked, and zeroed too: a mask cannot
+        hide NaN (an additive -max plus NaN is NaN), which a failed call may have left."""
         if len(pad) > self.max_batch:
             raise ValueError(f"the cache holds {self.max_batch} rows, got {len(pad)}")
         self._pad[:len(pad)].copy_(pad)
         self._lengths.zero_()
+        for buffer in self._keys + self._values:
+            buffer[:len(pad)].zero_()
         self._use_rows(len(pad))
 
     # ------------------------------------------------------------------------------------------

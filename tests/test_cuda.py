@@ -585,9 +585,9 @@ def test_generate_cuda_graphs_park_stopped_rows(fops, monkeypatch, rule):
             eager_sizes.append(input_ids.shape[0])
         return real_forward(self, input_ids, keep)
 
-    def counting_init(self, forward, input_ids, keep):
+    def counting_init(self, forward, input_ids, keep, pool=None):
         captured.append(input_ids.shape[0])
-        real_init(self, forward, input_ids, keep)
+        real_init(self, forward, input_ids, keep, pool)
 
     monkeypatch.setattr(generate_module._CachedModel, "_forward", counting_forward)
     monkeypatch.setattr(cuda_graphs.CapturedForward, "__init__", counting_init)
@@ -615,9 +615,9 @@ def test_generate_cuda_graphs_reused_by_the_next_call(fops, monkeypatch):
     captured = []
     real_init = cuda_graphs.CapturedForward.__init__
 
-    def counting_init(self, forward, input_ids, keep):
+    def counting_init(self, forward, input_ids, keep, pool=None):
         captured.append(tuple(input_ids.shape))
-        real_init(self, forward, input_ids, keep)
+        real_init(self, forward, input_ids, keep, pool)
 
     monkeypatch.setattr(cuda_graphs.CapturedForward, "__init__", counting_init)
     target, draft = tiny_cuda_llama(0, 2), tiny_cuda_llama(1, 1)

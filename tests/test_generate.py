@@ -395,8 +395,8 @@ class ReplayByCall:
 
     made = []
 
-    def __init__(self, forward, input_ids, keep):
-        self.forward, self.keep = forward, keep
+    def __init__(self, forward, input_ids, keep, pool=None):
+        self.forward, self.keep, self.pool = forward, keep, pool
         self.input_ids = input_ids.clone()  # [B, S] static input buffer
         self.cache = forward.__self__.cache
         self.captured_storage = self.storage()
@@ -553,6 +553,13 @@ def test_graph_state_is_reused_by_later_calls(target, draft, monkeypatch):
     finally:
         target.lm_head.weight = weight
     assert again is not state and made
+    state = again
+    handle = target.model.layers[0].register_forward_hook(lambda *args: None)  # not replayed by a graph
+    try:
+        _, made, again = run(ids, mask)
+    finally:
+        handle.remove()
+    assert again is not state and made
     gen = importlib.import_module("fsd_ext.generate")
 
     def fail(self):
@@ -565,6 +572,22 @@ def test_graph_state_is_reused_by_later_calls(target, draft, monkeypatch):
     monkeypatch.undo()
     cuda_graphs.release_cuda_graphs()
     assert not cuda_graphs._states
+
+
+def test_reused_graph_state_starts_from_a_clear_cache(target, monkeypatch):
+    """A call that failed on NaN logits may leave NaN in the cache past the lengths, where the
+    attention mask cannot hide it (-max + NaN = NaN): a later call reusing the state must not
+    see it."""
+    ids, mask = random_prompts([5, 9], seed=45)
+    kwargs = dict(rule="ar", temperature=0.0, max_new_tokens=8, eos_token_id=[])
+    first = generate_graph_shaped(monkeypatch, target, None, ids, mask, **kwargs)
+    cache = cuda_graphs._states[target].cache
+    for buffer in cache._keys + cache._values:
+        buffer.fill_(float("nan"))
+    again = generate_graph_shaped(monkeypatch, target, None, ids, mask, reuse=True, **kwargs)
+    assert cuda_graphs._states[target].cache is cache and ReplayByCall.made == []
+    assert again.sequences.tolist() == first.sequences.tolist()
+    cuda_graphs.release_cuda_graphs()
 
 
 def test_graph_path_with_the_same_model_as_target_and_draft(target, monkeypatch):
