@@ -67,7 +67,7 @@ def _fingerprint(model) -> tuple:
                     for t in itertools.chain(model.parameters(), model.buffers()))
     hooks = tuple(tuple(hooks) for m in model.modules()
                   for hooks in (m._forward_pre_hooks, m._forward_hooks))
-    return tensors, hooks, getattr(model.config, "_attn_implementation", None)
+    return tensors, hooks, getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
 class GraphState:
