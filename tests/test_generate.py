@@ -7,6 +7,8 @@ import time
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import fsd_ext
 from fsd_ext import cuda_graphs
@@ -615,6 +617,71 @@ def forward_under_fake_tensors(model, use_graphs, num_tokens, keep):
         cached.cache.lengths += 6
         with FakeTensorMode(allow_non_fake_inputs=True):
             return cached._forward(torch.randint(3, VOCAB, (2, num_tokens)), keep)
+
+
+class ProvenanceLog(TorchDispatchMode):
+    """Records the ops (under the mode) that read a tensor neither in `allowed` (storage addresses)
+    nor made by an earlier op under the mode, and the host synchronisations."""
+
+    def __init__(self, allowed):
+        super().__init__()
+        self.allowed, self.foreign, self.syncs = set(allowed), [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor) and t.numel() and storage_of(t) not in self.allowed:
+                self.foreign.append((str(func), tuple(t.shape)))
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.syncs.append(str(func))
+        out = func(*args, **kwargs)
+        self.allowed.update(storage_of(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        return out
+
+
+def storage_of(t):
+    return t.untyped_storage().data_ptr()
+
+
+class CaptureWithProvenance(ReplayByCall):
+    """A stand-in capture that runs the forward once as a capture would, under ProvenanceLog: a
+    graph may read the weights, the cache buffers and its static input, and what it computes
+    itself; anything else (e.g. made during the prefill or the warm-ups) the caching allocator may
+    hand to another tensor while the graph still reads it."""
+
+    logs = []
+    drop_cache_from_allowed = False  # the negative control
+
+    def __init__(self, forward, input_ids, keep, pool=None):
+        super().__init__(forward, input_ids, keep, pool)
+        owner, cache = forward.__self__, forward.__self__.cache
+        allowed = [*owner.model.parameters(), *owner.model.buffers(), cache._pad, cache._lengths,
+                   *cache._keys, *cache._values, self.input_ids]
+        if CaptureWithProvenance.drop_cache_from_allowed:
+            allowed = [t for t in allowed if not any(t is b for b in cache._keys + cache._values)]
+        log = ProvenanceLog(storage_of(t) for t in allowed)
+        with log:
+            forward(self.input_ids, keep)
+        CaptureWithProvenance.logs.append(log)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_captured_forwards_read_only_weights_cache_and_their_own_tensors(target, draft, arch, monkeypatch):
+    """Every forward generate captures (draft step and re-read, verification) reads only what
+    stays put for the graph's life and makes no host synchronisation. Negative control: with the
+    cache buffers left out of what may be read, the same check flags the reads."""
+    models = (target, draft) if arch == "llama" else (tiny_qwen2(0), tiny_qwen2(1))
+    ids, mask = random_prompts([4, 9, 6], seed=46)
+    kwargs = dict(rule="fsd", temperature=0.0, num_draft_tokens=3, max_new_tokens=10, eos_token_id=[])
+    for negative_control in (False, True):
+        CaptureWithProvenance.logs, CaptureWithProvenance.drop_cache_from_allowed = [], negative_control
+        generate_graph_shaped(monkeypatch, *models, ids, mask, replay=CaptureWithProvenance, **kwargs)
+        shapes = {made[1:] for made in ReplayByCall.made}
+        assert {(1, 1), (4, 4)} <= shapes, shapes  # the draft step and the verification, at least
+        foreign = [op for log in CaptureWithProvenance.logs for op in log.foreign]
+        assert bool(foreign) == negative_control, foreign[:5]
+        assert not any(log.syncs for log in CaptureWithProvenance.logs)
+    cuda_graphs.release_cuda_graphs()
 
 
 def tiny_qwen2(seed):
