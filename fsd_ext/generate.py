@@ -67,9 +67,9 @@ class GenerateStats:
     prefill_seconds: float = 0.0  # the prompt forwards of both models (inside seconds)
     capture_seconds: float = 0.0  # CUDA graph warm-ups and captures, both models (inside seconds)
     target_forwards: int = 0  # prefill included
-    target_seconds: float = 0.0  # in the target's forwards (captures not included)
+    target_seconds: float = 0.0  # in the target's forwards (on CUDA GPU time; captures not included)
     draft_forwards: int = 0
-    draft_seconds: float = 0.0  # in the draft's forwards (captures not included)
+    draft_seconds: float = 0.0  # in the draft's forwards (on CUDA GPU time; captures not included)
     verifications: int = 0  # target verification calls x rows verified (row-steps)
     accepted_drafts: int = 0  # accepted drafts kept in the output (none past a row's end)
     # Kept accepted drafts that plain SD would have rejected (0 for sd by definition; None for ar):
@@ -122,6 +122,38 @@ class GenerateOutput:
 # ----------------------------------------------------------------------------------------------
 # One model with its static cache.
 
+class _ForwardClock:
+    """Time in a model's forwards: on the CPU the wall clock around each one; on CUDA the GPU time
+    between events recorded around each one, read once at the end, so no forward waits for the GPU
+    (the host queues the next draft step while the GPU still runs this one)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.seconds = cuda, 0.0
+        self.pending = []  # CUDA: (start, end) event pairs not read yet
+
+    def start(self):
+        if not self.cuda:
+            return time.perf_counter()
+        started = torch.cuda.Event(enable_timing=True)
+        started.record()
+        return started
+
+    def stop(self, started) -> None:
+        if not self.cuda:
+            self.seconds += time.perf_counter() - started
+            return
+        ended = torch.cuda.Event(enable_timing=True)
+        ended.record()
+        self.pending.append((started, ended))
+
+    def total(self) -> float:
+        if self.pending:
+            self.pending[-1][1].synchronize()
+            self.seconds += sum(a.elapsed_time(b) for a, b in self.pending) / 1e3  # ms -> s
+            self.pending.clear()
+        return self.seconds
+
+
 class _CachedModel:
     """A Hugging Face causal LM in one generate call: its StaticKVCache, its captured graphs (with
     graphs on, both kept from call to call: fsd_ext.cuda_graphs) and its call counters."""
@@ -129,8 +161,8 @@ class _CachedModel:
     def __init__(self, model, pad: torch.Tensor, capacity: int, use_graphs: bool):
         self.model = model
         self.use_graphs = use_graphs
-        self.calls, self.seconds = 0, 0.0
-        self.capture_seconds = 0.0  # warm-ups and captures, not in self.seconds
+        self.calls, self.capture_seconds = 0, 0.0  # warm-ups and captures are not in seconds
+        self.clock = _ForwardClock(next(model.parameters()).is_cuda)
         self.dtype = next(model.parameters()).dtype
         params = inspect.signature(model.forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"  # 5.x : 4.5x
@@ -166,13 +198,16 @@ class _CachedModel:
             pool = next(iter(self.graphs.values())).pool if self.graphs else None  # one per model
             self.graphs[key] = cuda_graphs.CapturedForward(self._forward, input_ids, keep, pool)
             self.capture_seconds += time.perf_counter() - capture_start
-        start = time.perf_counter()
+        started = self.clock.start()
         logits = self.graphs[key](input_ids) if graphed else self._forward(input_ids, keep)
-        if logits.is_cuda:
-            torch.cuda.synchronize(logits.device)
-        self.seconds += time.perf_counter() - start
+        self.clock.stop(started)
         self.calls += 1
         return logits
+
+    @property
+    def seconds(self) -> float:
+        """Time in this call's forwards (see _ForwardClock)."""
+        return self.clock.total()
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only batch rows `rows` (moved in place to the cache's first rows, which is what the
@@ -602,6 +637,8 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
                 if cached is not None:  # prefill all but the last token
                     cached(prompt[:, :-1], keep=1, prefill=True)
                     cached.cache.lengths.fill_(prompt_len)
+            if device.type == "cuda":  # the forwards do not wait for the GPU: the prefill's end does
+                torch.cuda.synchronize(device)
             stats.prefill_seconds = time.perf_counter() - prefill_start
 
             if streamer is not None:

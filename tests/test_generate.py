@@ -449,6 +449,37 @@ def test_graph_shaped_path_matches_eager_on_cpu(target, draft, monkeypatch, rule
     assert graphed.stats.target_forwards == eager.stats.target_forwards
 
 
+def test_forward_clock_on_cuda_reads_events_once(monkeypatch):
+    """On CUDA a forward records two events and waits for nothing; the total reads them all once
+    (after waiting for the last). Here with stand-in events on the host clock."""
+    gen = importlib.import_module("fsd_ext.generate")
+
+    class FakeEvent:
+        waited = 0
+
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            self.at = time.perf_counter()
+
+        def synchronize(self):
+            FakeEvent.waited += 1
+
+        def elapsed_time(self, end):  # milliseconds, as torch.cuda.Event's
+            return (end.at - self.at) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    clock = gen._ForwardClock(cuda=True)
+    for _ in range(3):
+        started = clock.start()
+        time.sleep(0.02)
+        clock.stop(started)
+    assert FakeEvent.waited == 0 and len(clock.pending) == 3
+    assert 0.06 <= clock.total() < 0.5 and FakeEvent.waited == 1 and not clock.pending
+    assert clock.total() == clock.seconds and FakeEvent.waited == 1  # nothing left to read
+
+
 def test_graph_captures_are_timed_apart(target, draft, monkeypatch):
     """Warm-ups and captures (here a stand-in that takes 0.1 s each) go to stats.capture_seconds,
     not to the models' forward seconds, and decode tokens/s leaves them out."""
