@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU check of the CUDA kernels on one H200 with no internet, meant to finish in under 8 minutes
-# (not yet timed on a GPU; the time limits of steps 1-4, 230 + 120 + 90 + 140 s, and step 5's use of
-# what is left of 560 s bound it under 10 minutes, the device's per-command limit):
+# (not yet timed on a GPU; every step's limit is its own cap or what is left of 570 s, so the whole
+# stays under 10 minutes, the device's per-command limit):
 #   1. builds the extension in place (CUDA on, sm_90 only unless TORCH_CUDA_ARCH_LIST is set);
 #   2. pytest -m cuda tests/test_cuda.py -k "not staged" (parity CUDA / CPU kernel / reference,
 #      statistics, CUDA graphs, NaN rows, no host sync, generate with CUDA graphs);
@@ -11,8 +11,11 @@
 #   4. the kernel benchmark (benchmarks/bench_accept_cuda.py): one table per shape with us, GB/s,
 #      % of the D2D copy bandwidth (default and staged path) and the speed-ups over eager PyTorch
 #      and torch.compile;
-#   5. while time is left (560 s in all), a few CUDA tests under compute-sanitizer memcheck and
-#      racecheck (best effort: some GPU sandboxes refuse the sanitizer).
+#   5. decoding with CUDA graphs (benchmarks/bench_decode_graphs.py): tokens/s eager vs graphs on a
+#      first call (captures) and on later calls (graphs reused), random-weight models of the
+#      Qwen2.5-Coder 1.5B / 0.5B shapes, batch 1 and 8, AR and SD;
+#   6. while time is left, a few CUDA tests under compute-sanitizer memcheck and racecheck (best
+#      effort: some GPU sandboxes refuse the sanitizer).
 # Logs, junit XML and the benchmark JSON / markdown go to $OUT when it is set.
 # Exit status: non-zero if any step failed (later steps still run when the build succeeded).
 set -euo pipefail
@@ -31,6 +34,16 @@ start=$SECONDS
 # Step 3's selection: the staged tests and every accept test the staged path can change.
 STAGED_TESTS="staged or accept or sd_emits or fsd_under or graph_capture or nan or out_of_range"
 step() { echo; echo "=== [$((SECONDS - start))s] $*"; }
+# Every step's time limit is its own cap or what is left of DEADLINE seconds, whichever is less, so
+# the whole script stays under the device's 10-minute command limit.
+DEADLINE=570
+left() { echo $((DEADLINE - (SECONDS - start))); }
+limited() {  # limited CAP CMD...: timeout at min(CAP, what is left); 124 at once when nothing is
+  local cap=$1 t; shift
+  t=$(left)
+  if (( t < 5 )); then echo "=== no time left for: $*"; return 124; fi
+  timeout "$(( cap < t ? cap : t ))" "$@"
+}
 
 step "environment"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
@@ -41,7 +54,7 @@ PY
 nvcc --version | tail -n 2 | head -n 1 || true
 
 step "build (python setup.py build_ext --inplace, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
-if ! timeout 230 "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
+if ! limited 230 "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
   tail -n 60 "$OUT/build.log"
   echo "=== BUILD FAILED (full log: $OUT/build.log)"
   exit 1
@@ -56,7 +69,7 @@ PY
 
 status=0
 step "tests (pytest -m cuda tests/test_cuda.py -k 'not staged')"
-if ! timeout 120 "$PY" -m pytest -m cuda tests/test_cuda.py -k "not staged" -q -p no:cacheprovider \
+if ! limited 150 "$PY" -m pytest -m cuda tests/test_cuda.py -k "not staged" -q -p no:cacheprovider \
       --junitxml="$OUT/test_cuda.xml" 2>&1 | tee "$OUT/test_cuda.log" | tail -n 40; then
   status=1
 fi
@@ -65,7 +78,7 @@ if grep -qE "(failed|error)" "$OUT/test_cuda.log" || ! grep -qE "passed" "$OUT/t
 
 step "tests, staged path (FSD_EXT_CUDA_STAGED=1 pytest -m cuda tests/test_cuda.py -k '$STAGED_TESTS')"
 staged_ok=1
-if ! FSD_EXT_CUDA_STAGED=1 timeout 90 "$PY" -m pytest -m cuda tests/test_cuda.py -k "$STAGED_TESTS" -q -p no:cacheprovider \
+if ! FSD_EXT_CUDA_STAGED=1 limited 90 "$PY" -m pytest -m cuda tests/test_cuda.py -k "$STAGED_TESTS" -q -p no:cacheprovider \
       --junitxml="$OUT/test_cuda_staged.xml" 2>&1 | tee "$OUT/test_cuda_staged.log" | tail -n 40; then
   status=1
   staged_ok=0
@@ -78,11 +91,16 @@ staged_flag=()
 if (( staged_ok == 0 )); then staged_flag=(--no-staged); echo "staged path failed its tests: benchmark without it"; fi
 
 step "benchmark (benchmarks/bench_accept_cuda.py)"
-if ! timeout 140 "$PY" benchmarks/bench_accept_cuda.py --out "$OUT" --budget-s 60 ${staged_flag[@]+"${staged_flag[@]}"} 2>&1 | tee "$OUT/bench.log"; then
+if ! limited 140 "$PY" benchmarks/bench_accept_cuda.py --out "$OUT" --budget-s 60 ${staged_flag[@]+"${staged_flag[@]}"} 2>&1 | tee "$OUT/bench.log"; then
   status=1
 fi
 
-# 5. Best effort, while time is left: a few CUDA tests under compute-sanitizer (memcheck: out of
+step "decoding with CUDA graphs (benchmarks/bench_decode_graphs.py; random-weight Qwen2.5 1.5B / 0.5B shapes)"
+if ! limited 120 "$PY" benchmarks/bench_decode_graphs.py --out "$OUT" --budget-s 70 2>&1 | tee "$OUT/bench_decode_graphs.log"; then
+  status=1
+fi
+
+# 6. Best effort, while time is left: a few CUDA tests under compute-sanitizer (memcheck: out of
 # bounds and misaligned accesses, e.g. bf16 rows of V=50001 on the split path; racecheck: shared
 # memory races). Without the caching allocator every tensor is its own allocation, so an access
 # past one is caught. Some GPU sandboxes refuse the sanitizer ("Device not supported"), and a run
@@ -91,14 +109,13 @@ declare -A SANITIZED=(
   [memcheck]="nan_and_all or out_of_range or split_vocab_path_matches or filters_on_tied"
   [racecheck]="nan_and_all or (split_vocab_path_matches and dtype1)")
 for tool in memcheck racecheck; do
-  left=$((560 - (SECONDS - start)))
-  if ! command -v compute-sanitizer >/dev/null || (( left < 60 )); then
-    echo "=== compute-sanitizer $tool skipped (not installed, or only ${left}s left)"; continue
+  if ! command -v compute-sanitizer >/dev/null || (( $(left) < 60 )); then
+    echo "=== compute-sanitizer $tool skipped (not installed, or only $(left)s left)"; continue
   fi
-  step "compute-sanitizer --tool $tool (up to ${left}s): pytest -k '${SANITIZED[$tool]}'"
+  step "compute-sanitizer --tool $tool (up to $(left)s): pytest -k '${SANITIZED[$tool]}'"
   log="$OUT/sanitizer_$tool.log"
   rc=0
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "$left" compute-sanitizer --tool "$tool" --target-processes all \
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 limited "$(left)" compute-sanitizer --tool "$tool" --target-processes all \
       "$PY" -m pytest -m cuda tests/test_cuda.py -k "${SANITIZED[$tool]}" -x -q -p no:cacheprovider \
       >"$log" 2>&1 || rc=$?
   tail -n 5 "$log"

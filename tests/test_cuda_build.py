@@ -96,3 +96,22 @@ def test_gpu_benchmark_summary_table():
     assert "60% / n/a" in table
     assert targets == {"B64 bf16 >= 80% copy BW": False, "B1 V151936 graph <= 10 us": False,
                        ">= 5x eager everywhere": False}
+
+
+def test_decode_graphs_benchmark_runs_and_summarizes(tmp_path):
+    """benchmarks/bench_decode_graphs.py: the eager part runs here on tiny models; the table with
+    the graph columns (GPU only) is checked on made-up rows."""
+    import importlib.util
+
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location("bench_decode_graphs", ROOT / "benchmarks" / "bench_decode_graphs.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--tiny", "--device", "cpu", "--rules", "ar,sd", "--batches", "2", "--prompt-len", "6",
+                       "--max-new-tokens", "6", "--repeats", "1", "--out", str(tmp_path)])
+    assert [(r["rule"], r["batch"]) for r in rows] == [("ar", 2), ("sd", 2)] and rows[0]["eager"] > 0
+    assert (tmp_path / "bench_decode_graphs.json").exists()
+    modes = ["eager", "graphs, first call", "graphs, reused"]
+    row = {"rule": "sd", "batch": 8, "tokens per target call": 1.5, "eager": 100.0, "graphs, first call": 150.0,
+           "graphs, reused": 250.0, "graphs, first call capture s": 1.25}
+    assert "| sd | 8 | 1.50 | 100.0 | 150.0 | 250.0 | 2.50x | 1.25 |" in bench.summarize([row], modes)

@@ -1,0 +1,132 @@
+"""What CUDA graphs save in fsd_ext.generate, measured on models with random weights (so it needs no
+download and runs inside the offline GPU check): the Qwen2.5-Coder 1.5B / 0.5B shapes in bfloat16.
+
+Per configuration (rule, batch size): decode tokens/s with eager forwards, with graphs on a first
+call (which captures them; its capture seconds reported apart) and with graphs on later calls
+(which replay the kept ones), median of --repeats calls each. Random weights make the drafts
+rarely right, so SD gains few tokens per target call here; what this measures is the cost of a
+forward and of the loop around it, not speculation. Decode tokens/s leaves out the prompt forwards
+and the captures (generate's stats).
+
+    python benchmarks/bench_decode_graphs.py --out /tmp/gpu        # on a GPU (about a minute)
+    python benchmarks/bench_decode_graphs.py --tiny --device cpu    # a smoke test of the script
+
+Writes bench_decode_graphs.json and .md to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import fsd_ext  # noqa: E402
+
+# The Qwen2.5-Coder-1.5B / 0.5B architectures (their config.json), and tiny ones for a smoke test.
+SHAPES = {
+    "target": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                   num_attention_heads=12, num_key_value_heads=2, vocab_size=151936),
+    "draft": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                  num_attention_heads=14, num_key_value_heads=2, vocab_size=151936),
+}
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512)
+
+
+def random_model(shape, dtype, device, seed):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(**shape, max_position_embeddings=4096, tie_word_embeddings=True,
+                         attn_implementation="sdpa")
+    with torch.device(device):
+        return Qwen2ForCausalLM(config).to(dtype).eval()
+
+
+def decode_rate(target, draft, ids, rule, graphs, args):
+    """One generate call -> (decode tokens/s, capture seconds, tokens per target call)."""
+    out = fsd_ext.generate(target, draft, ids, rule=rule, temperature=0.0, threshold=0.3,
+                           num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
+                           eos_token_id=[], seed=0, use_cuda_graphs=graphs)
+    stats = out.stats
+    return stats.decode_tokens_per_second, stats.capture_seconds, stats.tokens_per_target_call
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--tiny", action="store_true", help="tiny models (a smoke test of the script)")
+    parser.add_argument("--rules", default="ar,sd")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--num-draft-tokens", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=90.0, help="stop starting configurations after this")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+    target = random_model(TINY if args.tiny else SHAPES["target"], dtype, args.device, 0)
+    draft = random_model(TINY if args.tiny else SHAPES["draft"], dtype, args.device, 1)
+    vocab = target.config.vocab_size
+    modes = ["eager"] + (["graphs, first call", "graphs, reused"] if args.device.startswith("cuda") else [])
+    rows = []
+    for rule in args.rules.split(","):
+        for batch in (int(b) for b in args.batches.split(",")):
+            if time.perf_counter() - start > args.budget_s:
+                print(f"budget of {args.budget_s:.0f} s spent: stopping before {rule} B={batch}", file=sys.stderr)
+                break
+            ids = torch.randint(0, vocab, (batch, args.prompt_len), generator=torch.Generator().manual_seed(batch))
+            ids = ids.to(args.device)
+            decode_rate(target, draft, ids, rule, False, args)  # warm-up (lazy inits, kernel choice)
+            row = dict(rule=rule, batch=batch)
+            for mode in modes:
+                if mode == "graphs, first call":  # one per configuration: it captures
+                    fsd_ext.release_cuda_graphs()
+                    samples = [decode_rate(target, draft, ids, rule, True, args)]
+                else:
+                    samples = [decode_rate(target, draft, ids, rule, mode != "eager", args)
+                               for _ in range(args.repeats)]
+                row[mode] = statistics.median(s[0] for s in samples)
+                row[f"{mode} capture s"] = statistics.median(s[1] for s in samples)
+                row["tokens per target call"] = samples[-1][2]
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+    table = summarize(rows, modes)
+    print(table)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        meta = dict(vars(args), torch=torch.__version__, seconds=time.perf_counter() - start,
+                    gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else None)
+        (out / "bench_decode_graphs.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+        (out / "bench_decode_graphs.md").write_text(table + "\n")
+    return rows
+
+
+def summarize(rows, modes) -> str:
+    """A markdown table: decode tokens/s per mode, graphs' speed-up over eager, capture seconds."""
+    header = ["rule", "batch", "tokens / target call"] + [f"{m} (tok/s)" for m in modes]
+    graphs = "graphs, reused" in modes
+    if graphs:
+        header += ["reused vs eager", "first call's captures (s)"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        cells = [r["rule"], str(r["batch"]), f"{r['tokens per target call']:.2f}"]
+        cells += [f"{r[m]:.1f}" for m in modes]
+        if graphs:
+            cells += [f"{r['graphs, reused'] / r['eager']:.2f}x", f"{r['graphs, first call capture s']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
