@@ -15,6 +15,7 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CUDA_DIR = ROOT / "csrc" / "fsd" / "cuda"
@@ -111,6 +112,12 @@ def test_decode_graphs_benchmark_runs_and_summarizes(tmp_path):
                        "--max-new-tokens", "6", "--repeats", "1", "--out", str(tmp_path)])
     assert [(r["rule"], r["batch"]) for r in rows] == [("ar", 2), ("sd", 2)] and rows[0]["eager"] > 0
     assert (tmp_path / "bench_decode_graphs.json").exists()
+    import argparse  # the comparison with HF runs only on a GPU in main(); here eagerly
+
+    tiny = bench.random_model(bench.TINY, torch.float32, "cpu", 0)
+    args = argparse.Namespace(device="cpu", prompt_len=6, max_new_tokens=6, num_draft_tokens=3, repeats=1)
+    table = bench.against_hf(tiny, bench.random_model(bench.TINY, torch.float32, "cpu", 1), 512, args)
+    assert table.count("\n") == 5 and "| HF assisted generation |" in table and "| 1.00x |" in table
     modes = ["eager", "graphs, first call", "graphs, reused"]
     row = {"rule": "sd", "batch": 8, "tokens per target call": 1.5, "eager": 100.0, "graphs, first call": 150.0,
            "graphs, reused": 250.0, "graphs, first call capture s": 1.25}
