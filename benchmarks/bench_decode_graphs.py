@@ -109,19 +109,25 @@ def main(argv=None):
                 row["tokens per target call"] = samples[-1][2]
             rows.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
+            write(args, start, rows, summarize(rows, modes))  # as it goes: a time limit may cut it
     table = summarize(rows, modes)
     if args.device.startswith("cuda") and time.perf_counter() - start < args.budget_s:
         vs_hf = against_hf(target, draft, vocab, args)
         table += "\n\nBatch 1, end to end (prompt forwards included), median of repeats:\n\n" + vs_hf
     print(table)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        meta = dict(vars(args), torch=torch.__version__, seconds=time.perf_counter() - start,
-                    gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else None)
-        (out / "bench_decode_graphs.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
-        (out / "bench_decode_graphs.md").write_text(table + "\n")
+    write(args, start, rows, table)
     return rows
+
+
+def write(args, start, rows, table) -> None:
+    if not args.out:
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(vars(args), torch=torch.__version__, seconds=time.perf_counter() - start,
+                gpu=torch.cuda.get_device_name() if args.device.startswith("cuda") else None)
+    (out / "bench_decode_graphs.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2))
+    (out / "bench_decode_graphs.md").write_text(table + "\n")
 
 
 def against_hf(target, draft, vocab, args) -> str:
