@@ -11,7 +11,9 @@ Run: pytest -m cuda tests/test_cuda.py
   per-row threshold / temperature values out of range;
 - statistics on the GPU: under sd the emitted token follows p (chi-square over 1e5+ rows);
 - CUDA graphs: accept captured once, replayed with a device offset bumped between replays draws
-  fresh tokens and matches eager calls; no host synchronisation inside the ops.
+  fresh tokens and matches eager calls; no host synchronisation inside the ops;
+- generate with CUDA graphs: the same tokens as eager, stopped rows parked, the graphs reused by
+  the next call.
 """
 
 from __future__ import annotations
