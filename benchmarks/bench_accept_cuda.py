@@ -177,7 +177,7 @@ def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, compile_budget_s,
 
 
 def summarize(results):
-    """(markdown table, {target: met}) of bench_shape results (SHAPES order)."""
+    """(markdown table, {target: met}) of bench_shape results (SHAPES order; {} before the third)."""
     def fmt(x, spec=".1f"):  # None (not measured) -> "n/a"; spec ".0f%" appends a percent sign
         if x is None:
             return "n/a"
@@ -193,6 +193,8 @@ def summarize(results):
                      f"{r['default_pct_copy_bw']:.0f}% / {fmt(r['staged_pct_copy_bw'], '.0f%')} | "
                      f"{r['torch_eager_us']:.1f} | {fmt(r['torch_compile_us'])} | {r['speedup_vs_eager']:.1f} | "
                      f"{fmt(r['speedup_vs_compile'])} |")
+    if len(results) < 3:  # a run cut short: the targets need the first three shapes
+        return "\n".join(lines), {}
     graph_us = [t for t in (results[2]["graph_us"], results[2]["staged_graph_us"]) if t is not None]
     targets = {
         "B64 bf16 >= 80% copy BW": results[0]["pct_copy_bw"] >= 80.0,
@@ -219,21 +221,29 @@ def main():
     for shape in SHAPES:
         results.append(bench_shape(*shape, copy_gbs, args.compile_budget_s, deadline, staged))
         r = results[-1]
-        print(f"  done {r['shape']}: best {r['best_us']:.1f} us", flush=True)
-    table, targets = summarize(results)
+        print(f"  done {r['shape']}: best {r['best_us']:.1f} us ({r['pct_copy_bw']:.0f}% of copy BW, "
+              f"{r['speedup_vs_eager']:.1f}x eager)", flush=True)
+        write(args.out, copy_gbs, results)  # after every shape: a time limit may cut the run
+    table, targets = write(args.out, copy_gbs, results)
     print()
     print(f"D2D copy bandwidth (read + write): {copy_gbs:.0f} GB/s; GB/s = logits bytes / best time "
           "(either path, eager or graph)")
     print(table)
     for name, ok in targets.items():
         print(f"target {name}: {'MET' if ok else 'NOT MET'}")
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bench_accept_cuda.json"), "w") as f:
+
+
+def write(out, copy_gbs, results):
+    """Summarize the results so far and, with `out`, write them as JSON and markdown."""
+    table, targets = summarize(results)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "bench_accept_cuda.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "copy_gbs": copy_gbs, "results": results, "targets": targets}, f, indent=2)
-        with open(os.path.join(args.out, "bench_accept_cuda.md"), "w") as f:
+        with open(os.path.join(out, "bench_accept_cuda.md"), "w") as f:
             f.write(f"Device: {torch.cuda.get_device_name()}, D2D copy {copy_gbs:.0f} GB/s\n\n{table}\n")
+    return table, targets
 
 
 if __name__ == "__main__":

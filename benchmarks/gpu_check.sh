@@ -2,103 +2,133 @@
 # One GPU check of the CUDA kernels on one H200 with no internet, meant to finish in under 8 minutes
 # (not yet timed on a GPU; every step's limit is its own cap or what is left of 570 s, so the whole
 # stays under 10 minutes, the device's per-command limit):
-#   1. builds the extension in place (CUDA on, sm_90 only unless TORCH_CUDA_ARCH_LIST is set);
+#   1. builds the extension in place (CUDA on, sm_90 only unless TORCH_CUDA_ARCH_LIST is set) and
+#      calls accept once on the GPU;
 #   2. pytest -m cuda tests/test_cuda.py -k "not staged" (parity CUDA / CPU kernel / reference,
 #      statistics, CUDA graphs, NaN rows, no host sync, generate with CUDA graphs);
-#   3. the staged tests and the accept tests again with FSD_EXT_CUDA_STAGED=1 (the opt-in staged
-#      path: thread-block clusters holding the vocabulary chunks in shared memory; unfiltered
-#      accept calls on sm_90), after step 2 so that a fault there cannot spoil step 2's results;
+#   3. the staged tests and every test of an unfiltered accept call again with FSD_EXT_CUDA_STAGED=1
+#      (the opt-in staged path: thread-block clusters holding the vocabulary chunks in shared
+#      memory, sm_90), after step 2 so that a fault there cannot spoil step 2's results;
 #   4. the kernel benchmark (benchmarks/bench_accept_cuda.py): one table per shape with us, GB/s,
 #      % of the D2D copy bandwidth (default and staged path) and the speed-ups over eager PyTorch
 #      and torch.compile;
 #   5. decoding with CUDA graphs (benchmarks/bench_decode_graphs.py): tokens/s eager vs graphs on a
 #      first call (captures) and on later calls (graphs reused), random-weight models of the
-#      Qwen2.5-Coder 1.5B / 0.5B shapes, batch 1 and 8, AR and SD;
+#      Qwen2.5-Coder 1.5B / 0.5B shapes, batch 1 and 8, AR and SD, and against HF at batch 1;
 #   6. while time is left, a few CUDA tests under compute-sanitizer memcheck and racecheck (best
 #      effort: some GPU sandboxes refuse the sanitizer).
-# Logs, junit XML and the benchmark JSON / markdown go to $OUT when it is set.
+#
+#   bash benchmarks/gpu_check.sh               # through the device tool, which sets $OUT
+#   OUT=/tmp/gpu bash benchmarks/gpu_check.sh  # elsewhere
+#
+# What comes back from $OUT is limited (the device tool returns at most 8 files), so $OUT holds
+# gpu_check.tgz (every log, junit XML and benchmark JSON, re-packed after each step, so a kill
+# still leaves the steps before it), summary.txt and the two benchmark tables (.md).
 # Exit status: non-zero if any step failed (later steps still run when the build succeeded).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT="${OUT:-$ROOT/build/gpu_check}"
-mkdir -p "$OUT"
+WORK="$ROOT/build/gpu_check_work"  # everything; $OUT gets the archive and the summaries
+rm -rf "$WORK"
+mkdir -p "$OUT" "$WORK"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
 export FSD_EXT_CUDA=1
+export PYTHONUNBUFFERED=1  # a killed step still leaves what it printed
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # python3: the GPU image names its torch interpreter python3 (there may be no `python`).
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 start=$SECONDS
-# Step 3's selection: the staged tests and every accept test the staged path can change.
-STAGED_TESTS="staged or accept or sd_emits or fsd_under or graph_capture or nan or out_of_range"
-step() { echo; echo "=== [$((SECONDS - start))s] $*"; }
-# Every step's time limit is its own cap or what is left of DEADLINE seconds, whichever is less, so
-# the whole script stays under the device's 10-minute command limit.
-DEADLINE=570
-left() { echo $((DEADLINE - (SECONDS - start))); }
-limited() {  # limited CAP CMD...: timeout at min(CAP, what is left); 124 at once when nothing is
-  local cap=$1 t; shift
-  t=$(left)
-  if (( t < 5 )); then echo "=== no time left for: $*"; return 124; fi
-  timeout "$(( cap < t ? cap : t ))" "$@"
+status=0
+# Step 3's selection: the staged tests and every test whose accept calls the staged path can take.
+STAGED_TESTS="staged or accept or split_vocab or greedy_rows or divergence_options or sd_emits or fsd_under"
+STAGED_TESTS+=" or graph_capture or no_host_sync or nan or out_of_range or generate"
+step() { echo; echo "=== [$((SECONDS - start))s] $*" | tee -a "$WORK/summary.txt"; }
+note() { echo "=== $*" | tee -a "$WORK/summary.txt"; }
+pack() {  # the archive and the summaries into $OUT (after every step)
+  tar czf "$OUT/gpu_check.tgz" -C "$WORK" . 2>/dev/null || true
+  cp "$WORK/summary.txt" "$OUT/summary.txt" 2>/dev/null || true
+  cp "$WORK"/bench_accept_cuda.md "$WORK"/bench_decode_graphs.md "$OUT/" 2>/dev/null || true
 }
+# Every step's time limit is its own cap or what is left of DEADLINE seconds, whichever is less, so
+# the whole script stays under the device's 10-minute command limit. SIGINT first: pytest then
+# still prints its summary and writes its XML; SIGKILL 10 s later if a CUDA call hangs.
+DEADLINE=${GPU_CHECK_DEADLINE:-570}
+left() { echo $((DEADLINE - (SECONDS - start))); }
+limited() {  # limited CAP CMD...: at most min(CAP, what is left) seconds; 124 at once when nothing is
+  local cap=$1 t; shift
+  t=$(( $(left) - 10 ))
+  if (( t < 5 )); then echo "=== no time left for: $*"; return 124; fi
+  timeout -s INT -k 10 "$(( cap < t ? cap : t ))" "$@"
+}
+# check NAME RC LOG: record a step's outcome in the summary (124 / 130: cut by its time limit).
+check() {
+  local name=$1 rc=$2 log=$3
+  if (( rc == 0 )); then note "$name: ok"; pack; return 0; fi
+  status=1
+  if (( rc == 124 || rc == 130 || rc == 137 )); then note "$name: CUT BY ITS TIME LIMIT (rc $rc)"
+  else note "$name: FAILED (rc $rc)"; fi
+  grep -E "^(FAILED|ERROR) " "$log" | head -n 20 | tee -a "$WORK/summary.txt" || true
+  pack
+  return 1
+}
+PYTEST_OPTS=(-q -p no:cacheprovider -rfE --durations=10)
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then PYTEST_OPTS+=(--timeout=60); fi  # names a hung test
 
 step "environment"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-"$PY" - <<'PY'
-import torch
-print("torch", torch.__version__, "cuda", torch.version.cuda, "gpu", torch.cuda.is_available())
-PY
-nvcc --version | tail -n 2 | head -n 1 || true
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+  "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpu', torch.cuda.is_available(), 'transformers', transformers.__version__)" || true
+  nvcc --version | tail -n 2 | head -n 1 || true
+} 2>&1 | tee -a "$WORK/summary.txt"
 
 step "build (python setup.py build_ext --inplace, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
-if ! limited 230 "$PY" setup.py build_ext --inplace >"$OUT/build.log" 2>&1; then
-  tail -n 60 "$OUT/build.log"
-  echo "=== BUILD FAILED (full log: $OUT/build.log)"
+rc=0
+limited 230 "$PY" setup.py build_ext --inplace >"$WORK/build.log" 2>&1 || rc=$?
+if ! check build "$rc" "$WORK/build.log"; then
+  tail -n 60 "$WORK/build.log"
   exit 1
 fi
-grep -E "registers|spill" "$OUT/build.log" | tail -n 20 || true
-"$PY" - <<'PY'
+rc=0
+limited 60 "$PY" - <<'PY' 2>&1 | tee "$WORK/smoke.log" || rc=$?
 import torch, fsd_ext.ops as ops
 ops._ops()
 x = torch.zeros(1, 2, 8, device="cuda")
 print("extension loaded; CUDA accept:", ops.accept(x, x[:, :1], torch.zeros(1, 1, dtype=torch.long, device="cuda"), seed=0).tokens.tolist())
 PY
+check "one accept call on the GPU" "$rc" "$WORK/smoke.log" || true
 
-status=0
 step "tests (pytest -m cuda tests/test_cuda.py -k 'not staged')"
-if ! limited 150 "$PY" -m pytest -m cuda tests/test_cuda.py -k "not staged" -q -p no:cacheprovider \
-      --junitxml="$OUT/test_cuda.xml" 2>&1 | tee "$OUT/test_cuda.log" | tail -n 40; then
-  status=1
-fi
-# tee hides pytest's status: read it back from the summary line.
-if grep -qE "(failed|error)" "$OUT/test_cuda.log" || ! grep -qE "passed" "$OUT/test_cuda.log"; then status=1; fi
+rc=0
+limited 150 "$PY" -m pytest -m cuda tests/test_cuda.py -k "not staged" "${PYTEST_OPTS[@]}" \
+  --junitxml="$WORK/test_cuda.xml" >"$WORK/test_cuda.log" 2>&1 || rc=$?
+tail -n 25 "$WORK/test_cuda.log"
+check "CUDA tests" "$rc" "$WORK/test_cuda.log" || true
 
 step "tests, staged path (FSD_EXT_CUDA_STAGED=1 pytest -m cuda tests/test_cuda.py -k '$STAGED_TESTS')"
-staged_ok=1
-if ! FSD_EXT_CUDA_STAGED=1 limited 90 "$PY" -m pytest -m cuda tests/test_cuda.py -k "$STAGED_TESTS" -q -p no:cacheprovider \
-      --junitxml="$OUT/test_cuda_staged.xml" 2>&1 | tee "$OUT/test_cuda_staged.log" | tail -n 40; then
-  status=1
-  staged_ok=0
-fi
-if grep -qE "(failed|error)" "$OUT/test_cuda_staged.log" || ! grep -qE "passed" "$OUT/test_cuda_staged.log"; then
-  status=1
-  staged_ok=0
-fi
+rc=0
+FSD_EXT_CUDA_STAGED=1 limited 100 "$PY" -m pytest -m cuda tests/test_cuda.py -k "$STAGED_TESTS" "${PYTEST_OPTS[@]}" \
+  --junitxml="$WORK/test_cuda_staged.xml" >"$WORK/test_cuda_staged.log" 2>&1 || rc=$?
+tail -n 25 "$WORK/test_cuda_staged.log"
 staged_flag=()
-if (( staged_ok == 0 )); then staged_flag=(--no-staged); echo "staged path failed its tests: benchmark without it"; fi
+if ! check "CUDA tests, staged path" "$rc" "$WORK/test_cuda_staged.log"; then
+  staged_flag=(--no-staged)
+  note "the staged path failed its tests: benchmarked without it"
+fi
 
 step "benchmark (benchmarks/bench_accept_cuda.py)"
-if ! limited 140 "$PY" benchmarks/bench_accept_cuda.py --out "$OUT" --budget-s 60 ${staged_flag[@]+"${staged_flag[@]}"} 2>&1 | tee "$OUT/bench.log"; then
-  status=1
-fi
+rc=0
+limited 140 "$PY" benchmarks/bench_accept_cuda.py --out "$WORK" --budget-s 45 ${staged_flag[@]+"${staged_flag[@]}"} \
+  2>&1 | tee "$WORK/bench.log" || rc=$?
+grep -E "^target " "$WORK/bench.log" >>"$WORK/summary.txt" || true
+check "kernel benchmark" "$rc" "$WORK/bench.log" || true
 
 step "decoding with CUDA graphs (benchmarks/bench_decode_graphs.py; random-weight Qwen2.5 1.5B / 0.5B shapes)"
-if ! limited 120 "$PY" benchmarks/bench_decode_graphs.py --out "$OUT" --budget-s 60 --max-new-tokens 32 --repeats 2 2>&1 | tee "$OUT/bench_decode_graphs.log"; then
-  status=1
-fi
+rc=0
+limited 120 "$PY" benchmarks/bench_decode_graphs.py --out "$WORK" --budget-s 60 --max-new-tokens 32 --repeats 2 \
+  2>&1 | tee "$WORK/bench_decode_graphs.log" || rc=$?
+check "decode benchmark" "$rc" "$WORK/bench_decode_graphs.log" || true
 
 # 6. Best effort, while time is left: a few CUDA tests under compute-sanitizer (memcheck: out of
 # bounds and misaligned accesses, e.g. bf16 rows of V=50001 on the split path; racecheck: shared
@@ -109,30 +139,32 @@ declare -A SANITIZED=(
   [memcheck]="nan_and_all or out_of_range or split_vocab_path_matches or filters_on_tied"
   [racecheck]="nan_and_all or (split_vocab_path_matches and dtype1)")
 for tool in memcheck racecheck; do
-  if ! command -v compute-sanitizer >/dev/null || (( $(left) < 60 )); then
-    echo "=== compute-sanitizer $tool skipped (not installed, or only $(left)s left)"; continue
+  if ! command -v compute-sanitizer >/dev/null || (( $(left) < 70 )); then
+    note "compute-sanitizer $tool skipped (not installed, or only $(left)s left)"; continue
   fi
   step "compute-sanitizer --tool $tool (up to $(left)s): pytest -k '${SANITIZED[$tool]}'"
-  log="$OUT/sanitizer_$tool.log"
+  log="$WORK/sanitizer_$tool.log"
   rc=0
-  PYTORCH_NO_CUDA_MEMORY_CACHING=1 limited "$(left)" compute-sanitizer --tool "$tool" --target-processes all \
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 limited 600 compute-sanitizer --tool "$tool" --target-processes all \
       "$PY" -m pytest -m cuda tests/test_cuda.py -k "${SANITIZED[$tool]}" -x -q -p no:cacheprovider \
       >"$log" 2>&1 || rc=$?
   tail -n 5 "$log"
   if grep -q "Device not supported" "$log"; then
-    echo "=== compute-sanitizer $tool: not supported on this machine"
+    note "compute-sanitizer $tool: not supported on this machine"
   elif grep -qE "ERROR SUMMARY: [1-9]" "$log"; then
-    echo "=== compute-sanitizer $tool: ERRORS (see $log)"
+    note "compute-sanitizer $tool: ERRORS (see sanitizer_$tool.log)"
     status=1
-  elif (( rc == 124 )); then
-    echo "=== compute-sanitizer $tool: cut short by the time limit, no error until then"
-  elif (( rc != 0 )) || ! grep -qE "[0-9]+ passed" "$log"; then
-    echo "=== compute-sanitizer $tool: the tests failed under it (rc $rc, see $log)"
+  elif (( rc == 124 || rc == 130 || rc == 137 )); then
+    note "compute-sanitizer $tool: cut short by the time limit, no error until then"
+  elif (( rc != 0 )); then
+    note "compute-sanitizer $tool: the tests failed under it (rc $rc, see sanitizer_$tool.log)"
     status=1
   else
-    echo "=== compute-sanitizer $tool: clean"
+    note "compute-sanitizer $tool: clean"
   fi
+  pack
 done
 
-step "done in $((SECONDS - start))s, status $status (outputs in $OUT)"
+step "done in $((SECONDS - start))s, status $status (outputs in $OUT: gpu_check.tgz, summary.txt, tables)"
+pack
 exit "$status"
