@@ -4,8 +4,9 @@ download and runs inside the offline GPU check): the Qwen2.5-Coder 1.5B / 0.5B s
 Per configuration (rule, batch size): decode tokens/s (the prompt forwards left out) with eager
 forwards, with graphs on a first call, captures included (its capture seconds also apart), and
 with graphs on later calls, which replay the kept ones; median of --repeats calls each (the first
-call: one). Random weights make the drafts rarely right, so SD gains few tokens per target call
-here: this measures the cost of a forward and of the loop around it, not speculation.
+call: one). How often drafts are right on random weights says nothing about real models (tied
+random embeddings tend to make both models repeat the input): this measures the cost of a
+forward and of the loop around it, not speculation.
 
 Then, at batch 1, end-to-end tokens/s (prompt forwards included) of our AR and SD with graphs
 reused against Hugging Face's greedy generate and assisted generation (the same K): greedy
