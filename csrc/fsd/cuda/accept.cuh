@@ -89,8 +89,8 @@ struct RowTemps {
 };
 __device__ __forceinline__ RowTemps row_temps(const AcceptProblem& pb, int64_t b) {
   RowTemps t;
-  // A row whose values are out of range comes out invalid (finish_row); meanwhile plain ones keep
-  // its statistics finite.
+  // A row whose values are out of range comes out invalid (finish_row); until then, plain values
+  // keep its statistics finite.
   if (!pb.row_values_in_range(b)) return RowTemps{1.0f, 1.0f, false};
   const float tau = pb.temperature.at(b);
   t.greedy = tau == 0.0f;
