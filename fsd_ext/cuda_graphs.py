@@ -16,8 +16,9 @@ of a short call; so each model keeps its static KV cache and the graphs captured
   of it (the graphs' attention reads the whole cache).
 
 Otherwise the call builds a new state (capacity rounded up to 256 slots) that replaces the old one.
-A state serves one call at a time: a model in use twice at once (the same model as target and draft,
-or two threads) gets a private state for its second use. A reused cache is zeroed first (a failed
+A model keeps one state per role (target, draft: one model may serve as both). A state serves one
+call at a time: a model in the same role in two threads at once gets a private state for the
+second. A reused cache is zeroed first (a failed
 call may have left NaN past the lengths, which the attention mask cannot hide). The graphs of a
 state share one memory pool: they are replayed one at a time and each output is copied out at
 once, so one graph's scratch memory may be another's. The cache stays allocated between calls;
@@ -85,24 +86,26 @@ class GraphState:
                 and self.fingerprint == _fingerprint(model))
 
 
-_states: "weakref.WeakKeyDictionary[torch.nn.Module, GraphState]" = weakref.WeakKeyDictionary()
+# model -> {role ("target" / "draft"): its state}; one model may serve in both roles.
+_states: "weakref.WeakKeyDictionary[torch.nn.Module, Dict[str, GraphState]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()  # over _states and every state's in_use
 
 
-def acquire(model, pad: torch.Tensor, capacity: int) -> GraphState:
+def acquire(model, role: str, pad: torch.Tensor, capacity: int) -> GraphState:
     """The state a call of len(pad) rows (leading padding `pad`) needing `capacity` slots per row
-    decodes `model` with: the model's own when it fits, reset to these rows; else a new one. Give
-    it back with release() when the call ends."""
+    decodes `model` in `role` with: the kept one when it fits, reset to these rows; else a new one.
+    Give it back with release() when the call ends."""
     with _lock:
-        state = _states.get(model)
-        if state is not None and state.in_use:  # in use by this very call or another thread
+        roles = _states.setdefault(model, {})
+        state = roles.get(role)
+        if state is not None and state.in_use:  # in use by another thread
             state = GraphState(model, pad, capacity)
         elif state is not None and state.fits(model, len(pad), capacity):
             state.cache.reset(pad)
         else:
-            _states.pop(model, None)  # free the old graphs and cache before allocating new ones
+            roles.pop(role, None)  # free the old graphs and cache before allocating new ones
             state = GraphState(model, pad, -(-capacity // CAPACITY_STEP) * CAPACITY_STEP)
-            _states[model] = state
+            roles[role] = state
         state.in_use = True
         return state
 

@@ -163,7 +163,7 @@ class _CachedModel:
     """A Hugging Face causal LM in one generate call: its StaticKVCache, its captured graphs (with
     graphs on, both kept from call to call: fsd_ext.cuda_graphs) and its call counters."""
 
-    def __init__(self, model, pad: torch.Tensor, capacity: int, use_graphs: bool):
+    def __init__(self, model, pad: torch.Tensor, capacity: int, use_graphs: bool, role: str = "target"):
         self.model = model
         self.use_graphs = use_graphs
         self.calls, self.capture_seconds = 0, 0.0  # warm-ups and captures are not in seconds
@@ -175,7 +175,7 @@ class _CachedModel:
         self.keep_arg = next((name for name in ("logits_to_keep", "num_logits_to_keep")
                               if name in params), None)
         # Last: a graph state is given back by release(), which a failed __init__ never reaches.
-        self.graph_state = cuda_graphs.acquire(model, pad, capacity) if use_graphs else None
+        self.graph_state = cuda_graphs.acquire(model, role, pad, capacity) if use_graphs else None
         self.cache = self.graph_state.cache if use_graphs else StaticKVCache(pad, capacity)
         # (batch, num_tokens, keep) -> cuda_graphs.CapturedForward
         self.graphs = self.graph_state.graphs if use_graphs else {}
@@ -637,7 +637,8 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         try:
             target_model = _CachedModel(target, pad, capacity, use_graphs)
             cached_models.append(target_model)
-            draft_model = _CachedModel(draft, pad, capacity, use_graphs) if settings.speculative else None
+            draft_model = (_CachedModel(draft, pad, capacity, use_graphs, role="draft")
+                           if settings.speculative else None)
             cached_models += [draft_model] if draft_model is not None else []
             prefill_start = time.perf_counter()
             for cached, prompt in ((target_model, ids), (draft_model, settings.for_draft(ids))):

@@ -428,7 +428,8 @@ def generate_graph_shaped(monkeypatch, target, draft, ids, mask, replay=None, re
     monkeypatch.setattr(cuda_graphs, "CapturedForward", replay or ReplayByCall)
     init = gen._CachedModel.__init__
     monkeypatch.setattr(gen._CachedModel, "__init__",
-                        lambda self, model, pad, capacity, use_graphs: init(self, model, pad, capacity, True))
+                        lambda self, model, pad, capacity, use_graphs, **role: init(self, model, pad, capacity,
+                                                                                  True, **role))
     return fsd_ext.generate(target, draft, ids, mask, **kwargs)
 
 
@@ -564,7 +565,7 @@ def test_graph_state_is_reused_by_later_calls(target, draft, monkeypatch):
         graphed = generate_graph_shaped(monkeypatch, target, draft, ids, mask, reuse=reuse, **args)
         monkeypatch.undo()  # back to the eager path for the comparison
         assert graphed.sequences.tolist() == fsd_ext.generate(target, draft, ids, mask, **args).sequences.tolist()
-        return graphed.stats, list(ReplayByCall.made), cuda_graphs._states[target]
+        return graphed.stats, list(ReplayByCall.made), cuda_graphs._states[target]["target"]
 
     _, first, state = run(ids, mask, reuse=False)
     assert {batch for batch, _, _ in first} > {6}, "the first call shrank its batch"
@@ -601,7 +602,7 @@ def test_graph_state_is_reused_by_later_calls(target, draft, monkeypatch):
     monkeypatch.setattr(gen._Decoder, "run", fail)
     with pytest.raises(RuntimeError, match="mid-call"):
         generate_graph_shaped(monkeypatch, target, draft, ids, mask, reuse=True, **kwargs)
-    assert not cuda_graphs._states[target].in_use and not cuda_graphs._states[draft].in_use
+    assert not cuda_graphs._states[target]["target"].in_use and not cuda_graphs._states[draft]["draft"].in_use
     monkeypatch.undo()
     cuda_graphs.release_cuda_graphs()
     assert not cuda_graphs._states
@@ -614,24 +615,29 @@ def test_reused_graph_state_starts_from_a_clear_cache(target, monkeypatch):
     ids, mask = random_prompts([5, 9], seed=45)
     kwargs = dict(rule="ar", temperature=0.0, max_new_tokens=8, eos_token_id=[])
     first = generate_graph_shaped(monkeypatch, target, None, ids, mask, **kwargs)
-    cache = cuda_graphs._states[target].cache
+    cache = cuda_graphs._states[target]["target"].cache
     for buffer in cache._keys + cache._values:
         buffer.fill_(float("nan"))
     again = generate_graph_shaped(monkeypatch, target, None, ids, mask, reuse=True, **kwargs)
-    assert cuda_graphs._states[target].cache is cache and ReplayByCall.made == []
+    assert cuda_graphs._states[target]["target"].cache is cache and ReplayByCall.made == []
     assert again.sequences.tolist() == first.sequences.tolist()
     cuda_graphs.release_cuda_graphs()
 
 
 def test_graph_path_with_the_same_model_as_target_and_draft(target, monkeypatch):
-    """One model in both roles: its second use gets a private state; the tokens equal eager."""
+    """One model in both roles: a state (cache and graphs) per role, each reused by the next call;
+    the tokens equal eager."""
     ids, mask = random_prompts([5, 9], seed=44)
     kwargs = dict(rule="sd", temperature=0.0, num_draft_tokens=3, max_new_tokens=12, eos_token_id=[])
     eager = fsd_ext.generate(target, target, ids, mask, **kwargs)
-    graphed = generate_graph_shaped(monkeypatch, target, target, ids, mask, **kwargs)
-    assert graphed.sequences.tolist() == eager.sequences.tolist()
-    assert graphed.stats.accepted_drafts == eager.stats.accepted_drafts
-    assert len(cuda_graphs._states) == 1 and not cuda_graphs._states[target].in_use
+    for reuse in (False, True):
+        graphed = generate_graph_shaped(monkeypatch, target, target, ids, mask, reuse=reuse, **kwargs)
+        assert graphed.sequences.tolist() == eager.sequences.tolist()
+        assert graphed.stats.accepted_drafts == eager.stats.accepted_drafts
+        roles = cuda_graphs._states[target]
+        assert set(roles) == {"target", "draft"} and roles["target"].cache is not roles["draft"].cache
+        assert not any(state.in_use for state in roles.values())
+        assert (ReplayByCall.made == []) == reuse  # the second call captures nothing
     cuda_graphs.release_cuda_graphs()
 
 
