@@ -63,12 +63,13 @@ limited() {  # limited CAP CMD...: at most min(CAP, what is left) seconds; 124 a
   if (( t < 5 )); then echo "=== no time left for: $*"; return 124; fi
   timeout -s INT -k 10 "$(( cap < t ? cap : t ))" "$@"
 }
-# check NAME RC LOG: record a step's outcome in the summary (124 / 130: cut by its time limit).
+timed_out() { (( $1 == 124 || $1 == 130 || $1 == 137 )); }  # rc of a step stopped by `limited`
+# check NAME RC LOG: record a step's outcome in the summary.
 check() {
   local name=$1 rc=$2 log=$3
   if (( rc == 0 )); then note "$name: ok"; pack; return 0; fi
   status=1
-  if (( rc == 124 || rc == 130 || rc == 137 )); then note "$name: CUT BY ITS TIME LIMIT (rc $rc)"
+  if timed_out "$rc"; then note "$name: CUT BY ITS TIME LIMIT (rc $rc)"
   else note "$name: FAILED (rc $rc)"; fi
   grep -E "^(FAILED|ERROR) " "$log" | head -n 20 | tee -a "$WORK/summary.txt" || true
   pack
@@ -154,7 +155,7 @@ for tool in memcheck racecheck; do
   elif grep -qE "ERROR SUMMARY: [1-9]" "$log"; then
     note "compute-sanitizer $tool: ERRORS (see sanitizer_$tool.log)"
     status=1
-  elif (( rc == 124 || rc == 130 || rc == 137 )); then
+  elif timed_out "$rc"; then
     note "compute-sanitizer $tool: cut short by the time limit, no error until then"
   elif (( rc != 0 )); then
     note "compute-sanitizer $tool: the tests failed under it (rc $rc, see sanitizer_$tool.log)"

@@ -80,6 +80,11 @@ class GraphState:
         self.fingerprint = _fingerprint(model)
         self.in_use = False
 
+    def capture(self, key: Tuple[int, int, int], forward, input_ids: torch.Tensor, keep: int) -> None:
+        """Capture forward(input_ids, keep) as graphs[key], sharing the earlier graphs' pool."""
+        pool = next(iter(self.graphs.values())).pool if self.graphs else None
+        self.graphs[key] = CapturedForward(forward, input_ids, keep, pool)
+
     def fits(self, model, batch: int, capacity: int) -> bool:
         cached = self.cache.capacity
         return (batch <= self.cache.max_batch and capacity <= cached <= 2 * max(capacity, CAPACITY_STEP)

@@ -177,8 +177,6 @@ class _CachedModel:
         # Last: a graph state is given back by release(), which a failed __init__ never reaches.
         self.graph_state = cuda_graphs.acquire(model, role, pad, capacity) if use_graphs else None
         self.cache = self.graph_state.cache if use_graphs else StaticKVCache(pad, capacity)
-        # (batch, num_tokens, keep) -> cuda_graphs.CapturedForward
-        self.graphs = self.graph_state.graphs if use_graphs else {}
 
     def _forward(self, input_ids: torch.Tensor, keep: int) -> torch.Tensor:
         """[B, S] token ids appended at each row's length -> logits [B, keep, V] of the last keep."""
@@ -198,15 +196,14 @@ class _CachedModel:
 
     def __call__(self, input_ids: torch.Tensor, keep: int, prefill: bool = False) -> torch.Tensor:
         graphed, key = self.use_graphs and not prefill, (*input_ids.shape, keep)
-        if graphed and key not in self.graphs:  # timed apart: a one-time cost, not a forward
+        if graphed and key not in self.graph_state.graphs:  # timed apart: a one-time cost
             _wait_for_gpu(input_ids)  # (not to count the forwards queued before it)
             capture_start = time.perf_counter()
-            pool = next(iter(self.graphs.values())).pool if self.graphs else None  # one per model
-            self.graphs[key] = cuda_graphs.CapturedForward(self._forward, input_ids, keep, pool)
+            self.graph_state.capture(key, self._forward, input_ids, keep)
             _wait_for_gpu(input_ids)
             self.capture_seconds += time.perf_counter() - capture_start
         started = self.clock.start()
-        logits = self.graphs[key](input_ids) if graphed else self._forward(input_ids, keep)
+        logits = self.graph_state.graphs[key](input_ids) if graphed else self._forward(input_ids, keep)
         self.clock.stop(started)
         self.calls += 1
         return logits
