@@ -29,7 +29,7 @@ constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 // (thread_local below), so a call allocates nothing once the buffers have grown to the largest
 // vocabulary seen (at most 2 MB per thread at V = 262144).
 struct Scratch {
-  std::vector<float> filter;  // candidate values of the filter cutoffs (largest_scaled)
+  std::vector<float> filter;  // candidate values of the filter cutoffs (see filter_cutoff)
   // exp(s_j) of the target and draft rows, stored by their sum passes when a divergence follows
   std::vector<float> target_exps, draft_exps;
 };

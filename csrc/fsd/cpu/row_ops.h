@@ -1,8 +1,8 @@
 // One-vocabulary-row primitives of the CPU kernels: statistics, filter cutoffs, divergence sums and
 // inverse-CDF sampling, each a single pass (or less) over the logits with no probability array
 // materialised. Scratch: candidate values of the filter cutoffs and of div_top_k's k-th value (the
-// largest few or one bucket of them, never a copy of the row), and the exp(s_j) a sum pass stores
-// for the divergence pass that follows it.
+// block maxima, the largest few values or one bucket of them, never a copy of the row), and the
+// exp(s_j) a sum pass stores for the divergence pass that follows it.
 #pragma once
 
 #include <algorithm>
@@ -171,61 +171,12 @@ FSD_ALWAYS_INLINE void for_each_picked(int64_t n, const Pick& pick, const Take& 
   }
 }
 
-// The m largest scaled values s_j >= floor (and > -inf) of a row, unordered, in `out`: all of them
-// when fewer qualify. One pass and no copy of the row: a block of ids whose largest logit cannot
-// qualify (s is monotone in the logit) is skipped after a vectorised max; qualifying values go to a
-// buffer that is cut back to its m largest (nth_element) whenever it fills, after which only values
-// above the m-th largest so far qualify (an equal one cannot change the m largest values).
-template <typename T>
-FSD_CPU_CLONES void largest_scaled(const T* row, int64_t n, const Dist& d, int64_t m, float floor,
-                                   std::vector<float>& out) {
-  constexpr int64_t kBlock = 4 * kLanes;
-  const size_t capacity = (size_t)std::max<int64_t>(2 * m, m + 1024);
-  out.clear();
-  out.reserve(capacity);
-  float bar = std::max(floor, -FLT_MAX);  // -inf never qualifies
-  bool strict = false;                     // s >= bar until the first cut, then s > bar
-  for (int64_t start = 0; start < n; start += kBlock) {
-    const int64_t end = std::min(n, start + kBlock);
-    float block_max = -kInf;
-    if (end - start == kBlock) {
-      float lane[kLanes];
-      for (int l = 0; l < kLanes; ++l) lane[l] = -kInf;
-      for (int64_t j = start; j < end; j += kLanes) {
-        FSD_SIMD
-        for (int l = 0; l < kLanes; ++l) {
-          const float x = load_logit(row, j + l);
-          lane[l] = x > lane[l] ? x : lane[l];
-        }
-      }
-      for (int l = 0; l < kLanes; ++l) block_max = std::max(block_max, lane[l]);
-    } else {
-      for (int64_t j = start; j < end; ++j) block_max = std::max(block_max, load_logit(row, j));
-    }
-    const float top = d.scaled(block_max);
-    if (strict ? !(top > bar) : !(top >= bar)) continue;
-    for (int64_t j = start; j < end; ++j) {
-      const float s = d.scaled(load_logit(row, j));
-      if (strict ? !(s > bar) : !(s >= bar)) continue;
-      out.push_back(s);
-      if (out.size() < capacity) continue;
-      std::nth_element(out.begin(), out.begin() + (m - 1), out.end(), std::greater<float>());
-      out.resize(m);
-      bar = out[m - 1];  // the m-th largest so far
-      strict = true;
-    }
-  }
-  if ((int64_t)out.size() > m) {
-    std::nth_element(out.begin(), out.begin() + (m - 1), out.end(), std::greater<float>());
-    out.resize(m);
-  }
-}
-
 // Cutoff walks. A walk visits the kept values of a row (finite s_j >= floor) in descending order,
 // adding each one's weight (1 for top-k, exp(s_j) for top-p), and stops at the value that brings
-// the cumulative weight to `target`: that value is the cutoff (ties at it are kept). A walk that
-// never gets there (fewer than k finite values; top-p left short by rounding) keeps every value.
-// Only the end of the walk is sorted: see walk_cutoff.
+// the cumulative weight to its target: k for top-k, top_p times the total weight of the visited
+// values for top-p. That value is the cutoff (ties at it are kept). A walk that never gets there
+// (fewer than k finite values; top-p left short by rounding) keeps every value. Only the end of
+// the walk is sorted: see walk_cutoff.
 enum class Walk { Count, Mass };
 
 // Whether a walk visits value s: finite and at least `floor`.
@@ -244,6 +195,123 @@ float walk_sorted(const std::vector<float>& sorted, double target, double& cumul
     if (!(cumulative < target)) return s;
   }
   return std::numeric_limits<float>::quiet_NaN();
+}
+
+// The selection passes below work on blocks of kSelectBlock ids; a block whose largest logit
+// cannot qualify (s is monotone in the logit) costs one vectorised max.
+constexpr int64_t kSelectBlock = 4 * kLanes;
+
+// The largest logit of ids [start, end), as load_logit sees it.
+template <typename T>
+FSD_ALWAYS_INLINE float block_max_logit(const T* row, int64_t start, int64_t end) {
+  float block_max = -kInf;
+  if (end - start == kSelectBlock) {
+    float lane[kLanes];
+    for (int l = 0; l < kLanes; ++l) lane[l] = -kInf;
+    for (int64_t j = start; j < end; j += kLanes) {
+      FSD_SIMD
+      for (int l = 0; l < kLanes; ++l) {
+        const float x = load_logit(row, j + l);
+        lane[l] = x > lane[l] ? x : lane[l];
+      }
+    }
+    for (int l = 0; l < kLanes; ++l) block_max = std::max(block_max, lane[l]);
+  } else {
+    for (int64_t j = start; j < end; ++j) block_max = std::max(block_max, load_logit(row, j));
+  }
+  return block_max;
+}
+
+// Each block's largest s_j, for the blocks holding one >= floor (and > -inf), in `maxima`. They are
+// values of distinct ids, so the m-th largest of them is at most the row's m-th largest value: a
+// starting bar for collect_largest that skips all but about m blocks. With kSum, `total` also gets
+// the sum of exp(s_j) over s_j >= floor (top-p's total) from the same pass.
+template <bool kSum, typename T>
+FSD_CPU_CLONES void block_maxima(const T* row, int64_t n, const Dist& d, float floor, std::vector<float>& maxima,
+                                 double& total) {
+  maxima.clear();
+  maxima.reserve((size_t)((n + kSelectBlock - 1) / kSelectBlock));
+  total = 0.0;
+  for (int64_t start = 0; start < n; start += kSelectBlock) {
+    const int64_t end = std::min(n, start + kSelectBlock);
+    float top;
+    if (kSum) {  // one loop for both: the exponentials dominate, the max comes with them
+      float lane_max[kLanes], lane_sum[kLanes];
+      for (int l = 0; l < kLanes; ++l) lane_max[l] = -kInf, lane_sum[l] = 0.0f;
+      int64_t j = start;
+      for (; j + kLanes <= end; j += kLanes) {
+        FSD_SIMD
+        for (int l = 0; l < kLanes; ++l) {
+          const float x = load_logit(row, j + l);
+          const float s = d.scaled(x);
+          lane_max[l] = x > lane_max[l] ? x : lane_max[l];
+          lane_sum[l] += walk_visits(s, floor) ? exp_nonpositive(s) : 0.0f;
+        }
+      }
+      float block_max = -kInf, block_sum = 0.0f;
+      for (int l = 0; l < kLanes; ++l) block_max = std::max(block_max, lane_max[l]), block_sum += lane_sum[l];
+      for (; j < end; ++j) {
+        const float s = d.scaled(load_logit(row, j));
+        block_max = std::max(block_max, load_logit(row, j));
+        block_sum += walk_visits(s, floor) ? exp_nonpositive(s) : 0.0f;
+      }
+      total += (double)block_sum;
+      top = d.scaled(block_max);
+    } else {
+      top = d.scaled(block_max_logit(row, start, end));
+    }
+    if (walk_visits(top, floor)) maxima.push_back(top);
+  }
+}
+
+// The m largest scaled values s_j >= bar (and > -inf) of a row, unordered, in `out`: all of them
+// when fewer qualify. One pass and no copy of the row: blocks whose largest value is below the bar
+// are skipped; qualifying values go to a buffer that is cut back to its m largest (nth_element)
+// whenever it fills, after which only values above the m-th largest so far qualify (an equal one
+// cannot change the m largest values).
+template <typename T>
+FSD_CPU_CLONES void collect_largest(const T* row, int64_t n, const Dist& d, int64_t m, float bar,
+                                    std::vector<float>& out) {
+  const size_t capacity = (size_t)std::max<int64_t>(2 * m, m + 1024);
+  out.clear();
+  out.reserve(capacity);
+  bar = std::max(bar, -FLT_MAX);  // -inf never qualifies
+  bool strict = false;            // s >= bar until the first cut, then s > bar
+  for (int64_t start = 0; start < n; start += kSelectBlock) {
+    const int64_t end = std::min(n, start + kSelectBlock);
+    const float top = d.scaled(block_max_logit(row, start, end));
+    if (strict ? !(top > bar) : !(top >= bar)) continue;
+    for (int64_t j = start; j < end; ++j) {
+      const float s = d.scaled(load_logit(row, j));
+      if (strict ? !(s > bar) : !(s >= bar)) continue;
+      out.push_back(s);
+      if (out.size() < capacity) continue;
+      std::nth_element(out.begin(), out.begin() + (m - 1), out.end(), std::greater<float>());
+      out.resize(m);
+      bar = out[m - 1];  // the m-th largest so far
+      strict = true;
+    }
+  }
+  if ((int64_t)out.size() > m) {
+    std::nth_element(out.begin(), out.begin() + (m - 1), out.end(), std::greater<float>());
+    out.resize(m);
+  }
+}
+
+// The m largest scaled values s_j >= floor (and > -inf) of a row, unordered, in `out` (all of them
+// when fewer qualify), in two cheap passes: the block maxima set the bar (collecting from the floor
+// instead visits most blocks of a row with no clear peak before the bar rises), then
+// collect_largest.
+template <typename T>
+void largest_scaled(const T* row, int64_t n, const Dist& d, int64_t m, float floor, std::vector<float>& out) {
+  double unused;
+  block_maxima<false>(row, n, d, floor, out, unused);
+  float bar = floor;
+  if ((int64_t)out.size() >= m) {
+    std::nth_element(out.begin(), out.begin() + (m - 1), out.end(), std::greater<float>());
+    bar = out[m - 1];
+  }
+  collect_largest(row, n, d, m, bar, out);
 }
 
 // The smallest kept value (finite s_j >= floor; 0 when none).
@@ -270,10 +338,11 @@ FSD_CPU_CLONES float smallest_kept(const T* row, int64_t n, const Dist& d, float
 
 // A walk over all kept values in three passes with no sort of the row: the weights in kBuckets
 // buckets of s (equal widths from 0 down to the smallest kept value or -88, below which exp is 0
-// and everything shares the last bucket), the bucket where the cumulative weight reaches
-// `target`, then that bucket's values alone sorted and walked.
+// and everything shares the last bucket), the bucket where the cumulative weight reaches the
+// target, then that bucket's values alone sorted and walked. `goal`: k for Walk::Count, top_p for
+// Walk::Mass, whose total weight the bucket pass sums on the way (no pass of its own).
 template <Walk W, typename T>
-FSD_CPU_CLONES float walk_buckets(const T* row, int64_t n, const Dist& d, float floor, double target,
+FSD_CPU_CLONES float walk_buckets(const T* row, int64_t n, const Dist& d, float floor, double goal,
                                   std::vector<float>& scratch) {
   constexpr int kBuckets = 2048;
   constexpr int64_t kBlock = 4 * kLanes;
@@ -283,7 +352,11 @@ FSD_CPU_CLONES float walk_buckets(const T* row, int64_t n, const Dist& d, float 
     const float x = -s * scale;
     return x < (float)(kBuckets - 1) ? (int32_t)x : kBuckets - 1;
   };
-  double weights[kBuckets] = {};
+  // Zero weights (not visited, or exp underflows) are added to kSpare spare slots in turn rather
+  // than to their bucket: a long run of them (a top-k floor, a low temperature) would otherwise
+  // chain every addition through one bucket's latency.
+  constexpr int kSpare = 8;
+  double weights[kBuckets + kSpare] = {};
   int32_t bucket[kBlock];
   float weight[kBlock];
   for (int64_t start = 0; start < n; start += kBlock) {
@@ -291,10 +364,16 @@ FSD_CPU_CLONES float walk_buckets(const T* row, int64_t n, const Dist& d, float 
     FSD_SIMD
     for (int64_t l = 0; l < count; ++l) {  // buckets and weights vectorised, then added one by one
       const float s = d.scaled(load_logit(row, start + l));
-      bucket[l] = bucket_of(s);
       weight[l] = walk_visits(s, floor) ? walk_weight<W>(s) : 0.0f;
+      bucket[l] = weight[l] > 0.0f ? bucket_of(s) : kBuckets + (int32_t)(l % kSpare);
     }
     for (int64_t l = 0; l < count; ++l) weights[bucket[l]] += (double)weight[l];
+  }
+  double target = goal;
+  if (W == Walk::Mass) {
+    double total = 0.0;
+    for (int b = 0; b < kBuckets; ++b) total += weights[b];
+    target = goal * total;
   }
   double cumulative = 0.0;
   int32_t found = 0;
@@ -314,23 +393,71 @@ FSD_CPU_CLONES float walk_buckets(const T* row, int64_t n, const Dist& d, float 
   return cutoff == cutoff || scratch.empty() ? cutoff : scratch.back();
 }
 
-// The cutoff of a walk (see Walk) to `target` over the kept values (finite s_j >= floor), -inf if
-// the walk keeps every value. Most walks end within the row's largest few values (top-k with a
-// small k; top-p on a peaked distribution): those are selected in one pass, sorted and walked;
-// longer walks take walk_buckets.
-template <Walk W, typename T>
-float walk_cutoff(const T* row, int64_t n, const Dist& d, float floor, double target, std::vector<float>& scratch) {
-  constexpr int64_t kFewValues = 256;  // above ~1000 one bucket walk is faster than this selection
-  const int64_t few = W == Walk::Count ? (int64_t)target : kFewValues;
-  if (few <= kFewValues) {
-    largest_scaled(row, n, d, few, floor, scratch);
-    std::sort(scratch.begin(), scratch.end(), std::greater<float>());
-    double cumulative = 0.0;
-    const float cutoff = walk_sorted<W>(scratch, target, cumulative);
+// Walks whose end is known to lie among the row's largest kFewValues values select those instead
+// of taking the bucket walk; above ~1000 values one bucket walk is faster than the selection.
+constexpr int64_t kFewValues = 256;
+
+// The values of `scratch`, sorted in descending order, walked to `target` (see walk_sorted).
+template <Walk W>
+float sort_and_walk(std::vector<float>& scratch, double target) {
+  std::sort(scratch.begin(), scratch.end(), std::greater<float>());
+  double cumulative = 0.0;
+  return walk_sorted<W>(scratch, target, cumulative);
+}
+
+// A top-p walk over a row with no small top-k before it. One pass takes the block maxima and the
+// total. The j largest block maxima are j distinct values, each at most the row's value of the
+// same rank, so once they weigh top_p of the total, the walk ends within the row's j largest
+// values; when the largest kFewValues block maxima do not get there (a flat row, or the top values
+// crowd into a few blocks, as related tokens' ids often do), the walk may still end within the
+// largest kFewValues values. Those values are selected, sorted and walked; if the walk falls short
+// (a flat row), walk_buckets.
+template <typename T>
+float top_p_cutoff(const T* row, int64_t n, const Dist& d, float floor, double top_p, std::vector<float>& scratch) {
+  double total;
+  block_maxima<true>(row, n, d, floor, scratch, total);
+  const double target = top_p * total;
+  const int64_t few = std::min<int64_t>(kFewValues, (int64_t)scratch.size());
+  if (few > 0) {
+    std::nth_element(scratch.begin(), scratch.begin() + (few - 1), scratch.end(), std::greater<float>());
+    std::sort(scratch.begin(), scratch.begin() + few, std::greater<float>());  // ~2.5x faster than partial_sort
+    int64_t m = 1;  // the walk ends within the m largest values if their block maxima weigh target
+    for (double cumulative = 0.0; m < few; ++m) {
+      cumulative += (double)walk_weight<Walk::Mass>(scratch[m - 1]);
+      if (!(cumulative < target)) break;
+    }
+    collect_largest(row, n, d, m, scratch[m - 1], scratch);
+    const float cutoff = sort_and_walk<Walk::Mass>(scratch, target);
     if (cutoff == cutoff) return cutoff;
-    if ((int64_t)scratch.size() < few) return -kInf;  // these were all the kept values
   }
-  const float cutoff = walk_buckets<W>(row, n, d, floor, target, scratch);
+  return walk_buckets<Walk::Mass>(row, n, d, floor, top_p, scratch);
+}
+
+// The cutoff of a walk (see Walk) over the kept values (finite s_j >= floor), -inf if the walk keeps
+// every value; `goal` as in walk_buckets. `few_kept`: the walk ends within the largest kFewValues
+// values (top-k with k <= kFewValues), or visits fewer than that (top-p after such a top-k, whose
+// floor keeps k values unless more tie at it). Then those values are selected, sorted and walked;
+// otherwise (or when too many tie at the floor) top-p takes top_p_cutoff, top-k walk_buckets.
+template <Walk W, typename T>
+float walk_cutoff(const T* row, int64_t n, const Dist& d, float floor, double goal, bool few_kept,
+                  std::vector<float>& scratch) {
+  float cutoff = std::numeric_limits<float>::quiet_NaN();
+  if (few_kept) {
+    const int64_t m = W == Walk::Count ? (int64_t)goal : kFewValues;
+    largest_scaled(row, n, d, m, floor, scratch);
+    const bool all_kept = (int64_t)scratch.size() < m;  // fewer qualified: these are all of them
+    if (W == Walk::Count) {
+      cutoff = sort_and_walk<W>(scratch, goal);  // NaN: fewer than k kept values, all of them kept
+      return cutoff == cutoff ? cutoff : -kInf;
+    }
+    if (all_kept) {  // the same weights in the same order as the walk: it gets there
+      double total = 0.0;
+      for (const float s : scratch) total += (double)walk_weight<W>(s);
+      cutoff = sort_and_walk<W>(scratch, goal * total);
+    }
+  }
+  if (cutoff != cutoff)
+    cutoff = W == Walk::Mass ? top_p_cutoff(row, n, d, floor, goal, scratch) : walk_buckets<W>(row, n, d, floor, goal, scratch);
   return cutoff == cutoff ? cutoff : -kInf;
 }
 
@@ -340,13 +467,12 @@ template <typename T>
 float filter_cutoff(const T* row, int64_t n, const Dist& d, const SamplingFilter& filter,
                     std::vector<float>& scratch) {
   float cut = -kInf;
-  if (filter.top_k > 0 && filter.top_k < n)
-    cut = walk_cutoff<Walk::Count>(row, n, d, -kInf, (double)filter.top_k, scratch);
-  if (filter.top_p < 1.0f) {
-    Dist top_k_kept = d;
-    top_k_kept.cut = cut;
-    const double total = sum_exp(row, n, top_k_kept);  // the same float exponentials as the walk
-    cut = std::max(cut, walk_cutoff<Walk::Mass>(row, n, d, cut, (double)filter.top_p * total, scratch));
+  const bool top_k_cuts = filter.top_k > 0 && filter.top_k < n;
+  if (top_k_cuts)
+    cut = walk_cutoff<Walk::Count>(row, n, d, -kInf, (double)filter.top_k, filter.top_k <= kFewValues, scratch);
+  if (filter.top_p < 1.0f) {  // on the renormalised top-k set: the walk visits s >= cut only
+    const bool few_kept = top_k_cuts && filter.top_k < kFewValues;
+    cut = std::max(cut, walk_cutoff<Walk::Mass>(row, n, d, cut, (double)filter.top_p, few_kept, scratch));
   }
   if (filter.min_p > 0.0f) cut = std::max(cut, (float)std::log((double)filter.min_p));
   return cut;
@@ -455,7 +581,7 @@ std::vector<int64_t> top_ids(const T* zt, int64_t vt, const Dist& p, int64_t k, 
     for (int64_t j = 0; (int64_t)top.size() < k; ++j)
       if (j != p.one_hot) top.push_back(j);
   } else {
-    const float kth = walk_cutoff<Walk::Count>(zt, vt, p, p.cut, (double)k, scratch);
+    const float kth = walk_cutoff<Walk::Count>(zt, vt, p, p.cut, (double)k, k <= kFewValues, scratch);
     auto key = [p](float logit) FSD_INLINE_LAMBDA {
       const float s = p.scaled(logit);
       return s >= p.cut ? s : -kInf;

@@ -237,14 +237,15 @@ float sorted_cutoff(const std::vector<float>& z, const fsd::cpu::Dist& d, const 
 
 // filter_cutoff (a short walk over the largest few values, or the bucket walk) equals sorting the
 // row, over shapes that put the walk's end among the largest 256 values or deep in the row, ties
-// at the cutoff, a narrow value range, -inf and huge negative logits, fewer finite values than k.
+// at the cutoff (more than 256 at a top-k floor below top-p), a narrow value range, -inf and huge
+// negative logits, fewer finite values than k.
 void test_filter_cutoffs_equal_sorting() {
   std::mt19937 rng(7);
   std::normal_distribution<float> normal;
   std::vector<float> scratch;
   int compared = 0, skipped = 0;
   for (int64_t n : {1000, 6007, 151936}) {
-    for (int shape = 0; shape < 7; ++shape) {
+    for (int shape = 0; shape < 8; ++shape) {
       std::vector<float> z(n);
       for (int64_t j = 0; j < n; ++j) {
         const float x = normal(rng);
@@ -256,6 +257,7 @@ void test_filter_cutoffs_equal_sorting() {
           case 4: z[j] = 1e-3f * x; break;                           // a narrow range of values
           case 5: z[j] = j % 3 == 0 ? -INFINITY : j % 7 == 1 ? -1e9f : 3.0f * x; break;
           case 6: z[j] = 12.0f * (float)j / (float)n + x; break;     // rising: the selection cuts often
+          case 7: z[j] = j < 100 ? 5.0f + x : 0.0f; break;           // a top-k floor tied by most ids
         }
       }
       if (shape == 5 && n == 1000) std::fill(z.begin() + 10, z.end(), -INFINITY);  // < k finite
@@ -267,7 +269,7 @@ void test_filter_cutoffs_equal_sorting() {
         const fsd::SamplingFilter filters[] = {
             {1, 1.0f, 0.0f},    {50, 1.0f, 0.0f},    {256, 1.0f, 0.0f},  {257, 1.0f, 0.0f},
             {1500, 1.0f, 0.0f}, {n - 1, 1.0f, 0.0f}, {0, 0.3f, 0.0f},    {0, 0.9f, 0.0f},
-            {0, 0.99f, 0.0f},   {1500, 0.9f, 0.0f},  {200, 0.95f, 0.01f}};
+            {0, 0.99f, 0.0f},   {1500, 0.9f, 0.0f},  {200, 0.95f, 0.01f}, {255, 0.9f, 0.0f}};
         for (const fsd::SamplingFilter& f : filters) {
           bool near = false;
           const float expected = sorted_cutoff(z, d, f, 1e-6, near);
