@@ -20,6 +20,9 @@
 #
 #   bash benchmarks/gpu_check.sh               # through the device tool, which sets $OUT
 #   OUT=/tmp/gpu bash benchmarks/gpu_check.sh  # elsewhere
+#   PYTHON=/venv/bin/python bash benchmarks/gpu_check.sh --prebuild
+#       # builds here with the GPU machine's torch and Python (no GPU needed) and writes a stamp;
+#       # carry fsd_ext/_C.cpython-*.so and build/gpu_prebuilt.stamp and step 1 skips the build
 #
 # What comes back from $OUT is limited (the device tool returns at most 8 files), so $OUT holds
 # gpu_check.tgz (every log, junit XML and benchmark JSON, re-packed after each step, so a kill
@@ -75,6 +78,13 @@ check() {
   pack
   return 1
 }
+# A build made elsewhere (same torch build, Python and sources: `--prebuild` below writes the stamp)
+# is used as it is, which saves the GPU machine the compile; carry it with the stamp.
+STAMP="$ROOT/build/gpu_prebuilt.stamp"
+source_stamp() {
+  { "$PY" -c "import sys, torch; print(sys.version_info[:2], torch.__version__, torch.version.git_version)"
+    echo "$TORCH_CUDA_ARCH_LIST"; cat setup.py; find csrc -type f | LC_ALL=C sort | xargs cat; } | sha256sum | cut -d' ' -f1
+}
 PYTEST_OPTS=(-q -p no:cacheprovider -rfE --durations=10)
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then PYTEST_OPTS+=(--timeout=60); fi  # names a hung test
 
@@ -84,13 +94,18 @@ step "environment"
   nvcc --version | tail -n 2 | head -n 1 || true
 } 2>&1 | tee -a "$WORK/summary.txt"
 
-step "build (python setup.py build_ext --inplace, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
-rc=0
-limited 230 "$PY" setup.py build_ext --inplace >"$WORK/build.log" 2>&1 || rc=$?
-if ! check build "$rc" "$WORK/build.log"; then
-  tail -n 60 "$WORK/build.log"
-  exit 1
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$(source_stamp)" ]] && "$PY" -c "import fsd_ext.ops as o; o._ops()" 2>/dev/null; then
+  step "build skipped: a prebuilt extension of these sources for this torch and Python ($STAMP)"
+else
+  step "build (python setup.py build_ext --inplace, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
+  rc=0
+  limited 230 "$PY" setup.py build_ext --inplace >"$WORK/build.log" 2>&1 || rc=$?
+  if ! check build "$rc" "$WORK/build.log"; then
+    tail -n 60 "$WORK/build.log"
+    exit 1
+  fi
 fi
+if [[ "${1:-}" == "--prebuild" ]]; then source_stamp >"$STAMP"; note "stamp written: $STAMP"; exit 0; fi
 rc=0
 limited 60 "$PY" - <<'PY' 2>&1 | tee "$WORK/smoke.log" || rc=$?
 import torch, fsd_ext.ops as ops
