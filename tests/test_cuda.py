@@ -179,6 +179,22 @@ def test_split_vocab_path_matches_reference(fops, rule, dtype):
         assert agreement(cuda, ref) == 1.0
 
 
+@pytest.mark.parametrize("splits,path", [(1, "fused"), (3, "split"), (64, "split")])
+def test_requested_splits_agree_with_reference(fops, monkeypatch, capfd, splits, path):
+    # FSD_EXT_CUDA_SPLITS (benchmarks) overrides the planner: a fused launch for few rows, or many
+    # chunks for many rows (64 requested: as many 4096-id chunks as the vocabulary holds, 13).
+    monkeypatch.setenv("FSD_EXT_CUDA_STAGED", "0")
+    monkeypatch.setenv("FSD_EXT_CUDA_SPLITS", str(splits))
+    target, draft, tokens, nd = make_case(24, 4, 50001, 49999, dtype=torch.bfloat16, seed=17, num_draft=True)
+    assert accept_path(fops, capfd, target.cuda(), draft.cuda(), tokens.cuda(), rule="fsd", seed=1) == path
+    for rule in RULES:
+        kw = dict(rule=rule, divergence="js", threshold=0.3, seed=4, num_draft=nd, return_divergence=True)
+        cuda = run_accept(fops, "cuda", target, draft, tokens, **kw)
+        ref = reference.accept(target, draft, tokens, **kw)
+        assert agreement(cuda, ref) == 1.0, rule
+        torch.testing.assert_close(cuda.divergence, ref.divergence, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
 @pytest.mark.parametrize("filters", [dict(top_k=20), dict(top_p=0.8), dict(min_p=0.05),
                                      dict(top_k=50, top_p=0.9, min_p=0.01)])
 @pytest.mark.parametrize("rule", ["sd", "fsd", "fsd_strict"])
@@ -299,8 +315,9 @@ def test_nan_and_all_neg_inf_rows(fops):
     nd = torch.tensor([3, 3, 3, 3, 3, 3, 3, 0])
     target[7, 2, 0] = float("nan")   # unused position (num_draft = 0): ignored
     for rule in RULES:
-        res = run_accept(fops, "cuda", target, draft, tokens, rule=rule, num_draft=nd, return_divergence=True)
-        ref = reference.accept(target, draft, tokens, rule=rule, num_draft=nd, return_divergence=True)
+        # The same seed on both sides (accept draws a random one when seed is None).
+        res = run_accept(fops, "cuda", target, draft, tokens, rule=rule, num_draft=nd, return_divergence=True, seed=5)
+        ref = reference.accept(target, draft, tokens, rule=rule, num_draft=nd, return_divergence=True, seed=5)
         assert res.valid.tolist() == [True, False, False, False, True, True, True, True]
         assert agreement(res, ref) == 1.0
         assert (res.tokens[~res.valid] == -1).all() and (res.num_accepted[~res.valid] == 0).all()

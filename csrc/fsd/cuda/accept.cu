@@ -1,6 +1,7 @@
 // Host planner of fsd_ext.accept on CUDA: picks the path (staged, fused, split), the vocabulary
 // chunks and the workspace layout, then hands over to the per-dtype launcher (accept_typed.cuh;
 // the kernels are in accept.cuh).
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -29,6 +30,17 @@ size_t stage_bytes(DType dtype, int64_t chunk) {
 bool staged_path_requested() {
   const char* flag = std::getenv("FSD_EXT_CUDA_STAGED");
   return flag != nullptr && flag[0] == '1' && flag[1] == '\0' && compute_capability_major() >= 9;
+}
+
+// FSD_EXT_CUDA_SPLITS=n (benchmarks and tests, read on every call): the unstaged, unfiltered paths
+// cut each vocabulary row into n chunks (fewer where chunks would drop below kMinChunk ids), instead
+// of the planner's choice; 0 when unset or not a positive integer.
+int64_t splits_requested() {
+  const char* flag = std::getenv("FSD_EXT_CUDA_SPLITS");
+  if (flag == nullptr) return 0;
+  char* end = nullptr;
+  const long long n = std::strtoll(flag, &end, 10);
+  return end != flag && *end == '\0' && n > 0 ? (int64_t)std::min<long long>(n, kMaxSplits) : 0;
 }
 
 bool staged_fits(DType dtype, int64_t cluster, size_t bytes) {
@@ -81,6 +93,8 @@ AcceptPlan plan_accept(const AcceptProblem& pb) {
       const int64_t by_vocab = (pb.target_vocab + kMinChunk - 1) / kMinChunk;
       plan.splits = std::max<int64_t>(1, std::min({(want_blocks + blocks - 1) / blocks, by_vocab, kMaxSplits}));
     }
+    if (const int64_t requested = splits_requested(); requested > 0)
+      plan.splits = std::min(requested, std::max<int64_t>(1, (pb.target_vocab + kMinChunk - 1) / kMinChunk));
   }
   if (!plan.staged) {
     const int64_t granule = 2048;
