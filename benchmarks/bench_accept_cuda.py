@@ -102,11 +102,11 @@ def launcher_path(call) -> str:
     return lines[-1].split("path=")[1].split()[0] if lines else "?"
 
 
-def time_accept(target, draft, tokens, kw, staged: bool):
-    """(eager us, CUDA-graph replay us, launcher path) of one accept call with the staged path
-    requested or not."""
-    previous = os.environ.get("FSD_EXT_CUDA_STAGED")
-    os.environ["FSD_EXT_CUDA_STAGED"] = "1" if staged else "0"  # read by the launcher on every call
+def time_accept(target, draft, tokens, kw, env: dict):
+    """(eager us, CUDA-graph replay us, launcher path) of one accept call with the launcher's
+    environment switches `env` (FSD_EXT_CUDA_STAGED, FSD_EXT_CUDA_SPLITS: read on every call)."""
+    previous = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
     try:
         path = launcher_path(lambda: ops.accept(target, draft, tokens, **kw))
         eager_us = cuda_time_us(lambda: ops.accept(target, draft, tokens, **kw), iters=20)
@@ -120,14 +120,31 @@ def time_accept(target, draft, tokens, kw, staged: bool):
             ops.accept(target, draft, tokens, **kw)
         graph_us = cuda_time_us(graph.replay, iters=100)
     finally:
-        if previous is None:
-            os.environ.pop("FSD_EXT_CUDA_STAGED", None)
-        else:
-            os.environ["FSD_EXT_CUDA_STAGED"] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return eager_us, graph_us, path
 
 
-def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, compile_budget_s, deadline, staged):
+def compiled_step(args):
+    """(torch.compile of torch_step compiled by one call on args, note). Inductor's split scan (the
+    cumsum over a long row) fails to generate code in some torch versions: then it is compiled
+    again without split reductions, and the note says so."""
+    try:
+        fn = torch.compile(torch_step, dynamic=False)
+        fn(*args)
+        return fn, ""
+    except Exception as error:  # noqa: BLE001 - the fallback below, reported if it fails too
+        print(f"  torch.compile: {type(error).__name__}; compiling again with split_reductions=False")
+    torch._dynamo.reset()
+    fn = torch.compile(torch_step, dynamic=False, options={"split_reductions": False})
+    fn(*args)
+    return fn, "split_reductions=False"
+
+
+def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, compile_budget_s, deadline, staged, splits):
     g = torch.Generator(device="cuda").manual_seed(0)
     target = (torch.randn(batch, k + 1, vocab, device="cuda", generator=g) * 3).to(dtype)
     draft = (target[:, :k].float() + torch.randn(batch, k, vocab, device="cuda", generator=g)).to(dtype)
@@ -138,39 +155,48 @@ def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, compile_budget_s,
     kw.update(extra)
     logits_bytes = (target.numel() + draft.numel()) * target.element_size()
 
-    eager_us, graph_us, path = time_accept(target, draft, tokens, kw, staged=False)
+    eager_us, graph_us, path = time_accept(target, draft, tokens, kw, {"FSD_EXT_CUDA_STAGED": "0"})
     staged_eager_us = staged_graph_us = staged_path = None
-    if staged:
-        staged_eager_us, staged_graph_us, staged_path = time_accept(target, draft, tokens, kw, staged=True)
+    if staged and "top_p" not in extra:  # filters need whole-row selections: never staged
+        staged_eager_us, staged_graph_us, staged_path = time_accept(target, draft, tokens, kw, {"FSD_EXT_CUDA_STAGED": "1"})
+    # Other vocabulary splits than the planner's (FSD_EXT_CUDA_SPLITS), for the planner's tuning.
+    split_variants = {}
+    if "top_p" not in extra:
+        for n in splits:
+            e, gr, p = time_accept(target, draft, tokens, kw, {"FSD_EXT_CUDA_STAGED": "0", "FSD_EXT_CUDA_SPLITS": str(n)})
+            split_variants[str(n)] = {"eager_us": e, "graph_us": gr, "path": p}
 
     coins = torch.rand(batch, k, device="cuda", generator=g)
     uniforms = torch.rand(batch, device="cuda", generator=g)
-    ref_fn = lambda: torch_step(target, draft, tokens, coins, uniforms, 0.3)  # noqa: E731
-    ref_us = cuda_time_us(ref_fn, iters=5, repeats=3)
-    compiled_us = None
+    args = (target, draft, tokens, coins, uniforms, 0.3)
+    ref_us = cuda_time_us(lambda: torch_step(*args), iters=5, repeats=3)
+    compiled_us, compile_note = None, ""
     if compile_budget_s > 0 and time.monotonic() < deadline:
         try:
-            compiled = torch.compile(torch_step, dynamic=False)
             t0 = time.monotonic()
-            compiled(target, draft, tokens, coins, uniforms, 0.3)
+            compiled, compile_note = compiled_step(args)
             torch.cuda.synchronize()
             if time.monotonic() - t0 < compile_budget_s:
-                compiled_us = cuda_time_us(lambda: compiled(target, draft, tokens, coins, uniforms, 0.3),
-                                           iters=5, repeats=3)
+                compiled_us = cuda_time_us(lambda: compiled(*args), iters=5, repeats=3)
         except Exception as error:  # noqa: BLE001 - report and carry on
-            print(f"  torch.compile failed for {name}: {type(error).__name__}: {error}")
-    best_us = min(eager_us, graph_us, *(t for t in (staged_eager_us, staged_graph_us) if t is not None))
+            compile_note = f"failed: {type(error).__name__}"
+            print(f"  torch.compile failed for {name}: {type(error).__name__}: {str(error)[:300]}")
+    default_us = min(eager_us, graph_us)
+    staged_us = min(staged_eager_us, staged_graph_us) if staged_eager_us is not None else None
+    best_us = min(t for t in (default_us, staged_us) if t is not None)
     gbs = logits_bytes / (best_us * 1e-6) / 1e9
+    pct = lambda us: 100.0 * logits_bytes / (us * 1e-6) / 1e9 / copy_gbs  # noqa: E731
     return {
         "shape": name, "batch": batch, "k": k, "vocab": vocab, "dtype": str(dtype).replace("torch.", ""),
         "logits_bytes": logits_bytes, "path": path, "eager_us": eager_us, "graph_us": graph_us,
         "staged_request_path": staged_path,
         "staged_eager_us": staged_eager_us, "staged_graph_us": staged_graph_us,
-        "staged_pct_copy_bw": (100.0 * logits_bytes / (min(staged_eager_us, staged_graph_us) * 1e-6) / 1e9 / copy_gbs
-                               if staged_eager_us else None),
-        "default_pct_copy_bw": 100.0 * logits_bytes / (min(eager_us, graph_us) * 1e-6) / 1e9 / copy_gbs,
+        "staged_pct_copy_bw": pct(staged_us) if staged_us else None,
+        "default_pct_copy_bw": pct(default_us),
+        "split_variants": split_variants,
         "best_us": best_us, "gbs": gbs,
         "pct_copy_bw": 100.0 * gbs / copy_gbs, "torch_eager_us": ref_us, "torch_compile_us": compiled_us,
+        "torch_compile_note": compile_note,
         "speedup_vs_eager": ref_us / best_us,
         "speedup_vs_compile": (compiled_us / best_us) if compiled_us else None,
     }
@@ -193,6 +219,16 @@ def summarize(results):
                      f"{r['default_pct_copy_bw']:.0f}% / {fmt(r['staged_pct_copy_bw'], '.0f%')} | "
                      f"{r['torch_eager_us']:.1f} | {fmt(r['torch_compile_us'])} | {r['speedup_vs_eager']:.1f} | "
                      f"{fmt(r['speedup_vs_compile'])} |")
+    variants = sorted({n for r in results for n in r["split_variants"]}, key=int)
+    if variants:  # the planner's split against others (eager / graph us, the path taken)
+        lines += ["", "| shape | planner: path, eager / graph us | "
+                  + " | ".join(f"FSD_EXT_CUDA_SPLITS={n}" for n in variants) + " |",
+                  "|" + "---|" * (2 + len(variants))]
+        for r in results:
+            cells = [f"{v['path']} {v['eager_us']:.1f} / {v['graph_us']:.1f}" if (v := r["split_variants"].get(n))
+                     else "n/a" for n in variants]
+            lines.append(f"| {r['shape']} | {r['path']} {r['eager_us']:.1f} / {r['graph_us']:.1f} | "
+                         + " | ".join(cells) + " |")
     if len(results) < 3:  # a run cut short: the targets need the first three shapes
         return "\n".join(lines), {}
     graph_us = [t for t in (results[2]["graph_us"], results[2]["staged_graph_us"]) if t is not None]
@@ -210,6 +246,8 @@ def main():
     parser.add_argument("--budget-s", type=float, default=240.0, help="stop adding torch.compile after this")
     parser.add_argument("--compile-budget-s", type=float, default=60.0, help="skip compile results slower than this")
     parser.add_argument("--no-staged", action="store_true", help="skip the staged path (FSD_EXT_CUDA_STAGED=1)")
+    parser.add_argument("--splits", default="1,8,32",
+                        help="also time these vocabulary splits (FSD_EXT_CUDA_SPLITS), comma-separated; '' for none")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a GPU"
     deadline = time.monotonic() + args.budget_s
@@ -219,7 +257,8 @@ def main():
     staged = not args.no_staged and torch.cuda.get_device_capability()[0] >= 9
     results = []
     for shape in SHAPES:
-        results.append(bench_shape(*shape, copy_gbs, args.compile_budget_s, deadline, staged))
+        splits = [int(n) for n in args.splits.split(",") if n.strip()]
+        results.append(bench_shape(*shape, copy_gbs, args.compile_budget_s, deadline, staged, splits))
         r = results[-1]
         print(f"  done {r['shape']}: best {r['best_us']:.1f} us ({r['pct_copy_bw']:.0f}% of copy BW, "
               f"{r['speedup_vs_eager']:.1f}x eager)", flush=True)

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One GPU check of the CUDA kernels on one H200 with no internet, meant to finish in under 8 minutes
-# (not yet timed on a GPU; every step's limit is its own cap or what is left of 570 s, so the whole
-# stays under 10 minutes, the device's per-command limit):
-#   1. builds the extension in place (CUDA on, sm_90 only unless TORCH_CUDA_ARCH_LIST is set) and
-#      calls accept once on the GPU;
+# One GPU check of the CUDA kernels on one H200 with no internet: about 4 minutes with a prebuilt
+# extension (2026-11-30; every step's limit is its own cap or what is left of GPU_CHECK_DEADLINE,
+# 570 s by default, so the whole stays under the device's 10-minute command limit):
+#   1. builds the extension in place (CUDA on, sm_90 only unless TORCH_CUDA_ARCH_LIST is set: the
+#      H200 image sets 9.0a) unless a prebuilt one is carried (below), and calls accept once on the
+#      GPU; meanwhile, in the background, the CPU kernels' sources are compiled with this machine's
+#      C++ compiler (the image's GCC 13 once failed on them while CI's GCC 12 did not);
 #   2. pytest -m cuda tests/test_cuda.py -k "not staged" (parity CUDA / CPU kernel / reference,
 #      statistics, CUDA graphs, NaN rows, no host sync, generate with CUDA graphs);
 #   3. the staged tests and every test of an unfiltered accept call again with FSD_EXT_CUDA_STAGED=1
@@ -15,14 +17,18 @@
 #   5. decoding with CUDA graphs (benchmarks/bench_decode_graphs.py): tokens/s eager vs graphs on a
 #      first call (captures) and on later calls (graphs reused), random-weight models of the
 #      Qwen2.5-Coder 1.5B / 0.5B shapes, batch 1 and 8, AR and SD, and against HF at batch 1;
-#   6. while time is left, a few CUDA tests under compute-sanitizer memcheck and racecheck (best
+#   6. kernel profile: one accept call per configuration (benchmarks/profile_accept_cuda.py)
+#      under Nsight Compute (ncu: speed of light, occupancy, launch and warp-state statistics);
+#   7. while time is left, a few CUDA tests under compute-sanitizer memcheck and racecheck (best
 #      effort: some GPU sandboxes refuse the sanitizer).
+# GPU_CHECK_SKIP="decode ncu sanitizer" skips steps 5, 6, 7 (any of them).
 #
 #   bash benchmarks/gpu_check.sh               # through the device tool, which sets $OUT
 #   OUT=/tmp/gpu bash benchmarks/gpu_check.sh  # elsewhere
 #   PYTHON=/venv/bin/python bash benchmarks/gpu_check.sh --prebuild
 #       # builds here with the GPU machine's torch and Python (no GPU needed) and writes a stamp;
 #       # carry fsd_ext/_C.cpython-*.so and build/gpu_prebuilt.stamp and step 1 skips the build
+#       # (a build for sm_90 runs on the H200 whatever TORCH_CUDA_ARCH_LIST says there)
 #
 # What comes back from $OUT is limited (the device tool returns at most 8 files), so $OUT holds
 # gpu_check.tgz (every log, junit XML and benchmark JSON, re-packed after each step, so a kill
@@ -53,7 +59,7 @@ note() { echo "=== $*" | tee -a "$WORK/summary.txt"; }
 pack() {  # the archive and the summaries into $OUT (after every step)
   tar czf "$OUT/gpu_check.tgz" -C "$WORK" . 2>/dev/null || true
   cp "$WORK/summary.txt" "$OUT/summary.txt" 2>/dev/null || true
-  cp "$WORK"/bench_accept_cuda.md "$WORK"/bench_decode_graphs.md "$OUT/" 2>/dev/null || true
+  cp "$WORK"/bench_accept_cuda.md "$WORK"/bench_decode_graphs.md "$WORK"/ncu_summary.txt "$OUT/" 2>/dev/null || true
 }
 # Every step's time limit is its own cap or what is left of DEADLINE seconds, whichever is less, so
 # the whole script stays under the device's 10-minute command limit. SIGINT first: pytest then
@@ -83,8 +89,9 @@ check() {
 STAMP="$ROOT/build/gpu_prebuilt.stamp"
 source_stamp() {
   { "$PY" -c "import sys, torch; print(sys.version_info[:2], torch.__version__, torch.version.git_version)"
-    echo "$TORCH_CUDA_ARCH_LIST"; cat setup.py; find csrc -type f | LC_ALL=C sort | xargs cat; } | sha256sum | cut -d' ' -f1
+    cat setup.py; find csrc -type f | LC_ALL=C sort | xargs cat; } | sha256sum | cut -d' ' -f1
 }
+skipped() { [[ " ${GPU_CHECK_SKIP:-} " == *" $1 "* ]]; }
 PYTEST_OPTS=(-q -p no:cacheprovider -rfE --durations=10)
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then PYTEST_OPTS+=(--timeout=60); fi  # names a hung test
 
@@ -105,7 +112,20 @@ else
     exit 1
   fi
 fi
-if [[ "${1:-}" == "--prebuild" ]]; then source_stamp >"$STAMP"; note "stamp written: $STAMP"; exit 0; fi
+if [[ "${1:-}" == "--prebuild" ]]; then
+  source_stamp >"$STAMP"
+  note "stamp written: $STAMP (built for TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
+  exit 0
+fi
+# In the background: the CPU kernels' sources with this machine's C++ compiler (framework-free, so
+# no torch headers; the flags of setup.py that matter to code generation).
+CXX_BIN="${CXX:-$(command -v c++ || command -v g++ || echo c++)}"
+( "$CXX_BIN" --version | head -n 1
+  for src in csrc/fsd/cpu/*.cpp; do
+    "$CXX_BIN" -O3 -std=c++20 -fno-math-errno -fno-trapping-math -fopenmp-simd -fopenmp -fPIC -Wall \
+      -Wno-unknown-pragmas -Icsrc -c "$src" -o "$WORK/$(basename "$src").o" && echo "$src: ok" || echo "$src: FAILED"
+  done ) >"$WORK/cxx.log" 2>&1 &
+cxx_pid=$!
 rc=0
 limited 60 "$PY" - <<'PY' 2>&1 | tee "$WORK/smoke.log" || rc=$?
 import torch, fsd_ext.ops as ops
@@ -135,16 +155,51 @@ fi
 
 step "benchmark (benchmarks/bench_accept_cuda.py)"
 rc=0
-limited 140 "$PY" benchmarks/bench_accept_cuda.py --out "$WORK" --budget-s 45 ${staged_flag[@]+"${staged_flag[@]}"} \
+limited 140 "$PY" benchmarks/bench_accept_cuda.py --out "$WORK" --budget-s 80 ${staged_flag[@]+"${staged_flag[@]}"} \
   2>&1 | tee "$WORK/bench.log" || rc=$?
 grep -E "^target " "$WORK/bench.log" >>"$WORK/summary.txt" || true
 check "kernel benchmark" "$rc" "$WORK/bench.log" || true
 
+step "the CPU kernels' sources with this machine's C++ compiler ($CXX_BIN)"
+wait "$cxx_pid" || true
+cat "$WORK/cxx.log" | grep -E "^(csrc|g\+\+|c\+\+|gcc|clang)|error" | head -n 20
+if grep -q "FAILED" "$WORK/cxx.log"; then note "C++ compile of csrc/fsd/cpu: FAILED (cxx.log)"; status=1
+else note "C++ compile of csrc/fsd/cpu: ok ($(head -n 1 "$WORK/cxx.log"))"; fi
+pack
+
+if skipped decode; then note "decode benchmark skipped (GPU_CHECK_SKIP)"; else
 step "decoding with CUDA graphs (benchmarks/bench_decode_graphs.py; random-weight Qwen2.5 1.5B / 0.5B shapes)"
 rc=0
 limited 120 "$PY" benchmarks/bench_decode_graphs.py --out "$WORK" --budget-s 60 --max-new-tokens 32 --repeats 2 \
   2>&1 | tee "$WORK/bench_decode_graphs.log" || rc=$?
 check "decode benchmark" "$rc" "$WORK/bench_decode_graphs.log" || true
+fi
+
+if skipped ncu || ! command -v ncu >/dev/null; then note "ncu profile skipped (GPU_CHECK_SKIP or no ncu)"; else
+step "kernel profile (ncu on benchmarks/profile_accept_cuda.py)"
+rc=0
+limited 120 ncu --clock-control none --target-processes all -k regex:accept_ --csv --page details \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section SchedulerStats --section MemoryWorkloadAnalysis \
+    "$PY" benchmarks/profile_accept_cuda.py >"$WORK/ncu.csv" 2>"$WORK/ncu.log" || rc=$?
+grep -E "^=== config|path=" "$WORK/ncu.log" "$WORK/ncu.csv" | head -n 20 || true
+# Per kernel launch: name, duration, DRAM throughput, achieved occupancy (the CSV has every metric).
+"$PY" - "$WORK/ncu.csv" <<'PY' 2>&1 | tee "$WORK/ncu_summary.txt" || true
+import csv, sys
+want = ("Duration", "DRAM Throughput", "Memory Throughput", "Compute (SM) Throughput", "Achieved Occupancy",
+        "Registers Per Thread", "Theoretical Occupancy", "Waves Per SM", "Grid Size")
+rows = {}
+with open(sys.argv[1]) as f:
+    lines = [line for line in f if line.startswith('"')]
+for r in csv.DictReader(lines):
+    if r.get("Metric Name") in want:
+        key = (int(r["ID"]), r["Kernel Name"].split("(")[0].replace("void ", "").replace("fsd::cuda::", ""))
+        rows.setdefault(key, {})[r["Metric Name"]] = f'{r["Metric Value"]} {r["Metric Unit"]}'.strip()
+for (i, name), m in sorted(rows.items()):
+    print(i, name, "|", "; ".join(f"{k}: {m[k]}" for k in want if k in m))
+PY
+check "ncu profile" "$rc" "$WORK/ncu.log" || true
+fi
 
 # 6. Best effort, while time is left: a few CUDA tests under compute-sanitizer (memcheck: out of
 # bounds and misaligned accesses, e.g. bf16 rows of V=50001 on the split path; racecheck: shared
@@ -155,6 +210,7 @@ declare -A SANITIZED=(
   [memcheck]="nan_and_all or out_of_range or split_vocab_path_matches or filters_on_tied"
   [racecheck]="nan_and_all or (split_vocab_path_matches and dtype1)")
 for tool in memcheck racecheck; do
+  if skipped sanitizer; then note "compute-sanitizer $tool skipped (GPU_CHECK_SKIP)"; continue; fi
   if ! command -v compute-sanitizer >/dev/null || (( $(left) < 70 )); then
     note "compute-sanitizer $tool skipped (not installed, or only $(left)s left)"; continue
   fi

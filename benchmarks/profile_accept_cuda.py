@@ -1,0 +1,44 @@
+"""One accept call per configuration, for a profiler (called by benchmarks/gpu_check.sh under ncu).
+
+    ncu --clock-control none --section SpeedOfLight ... python benchmarks/profile_accept_cuda.py
+
+Prints, in launch order, which configuration each group of kernel launches belongs to, so the
+profiler's per-kernel rows (also in launch order) can be matched to them. Needs a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fsd_ext import ops
+
+# (name, batch, K, V, dtype, launcher environment, extra accept kwargs)
+CONFIGS = [
+    ("B64 K5 V128256 bf16 fsd/js, planner", 64, 5, 128256, torch.bfloat16, {}, {}),
+    ("B64 K5 V128256 bf16 fsd/js, 8 splits", 64, 5, 128256, torch.bfloat16, {"FSD_EXT_CUDA_SPLITS": "8"}, {}),
+    ("B64 K5 V128256 bf16 fsd/js, staged", 64, 5, 128256, torch.bfloat16, {"FSD_EXT_CUDA_STAGED": "1"}, {}),
+    ("B1 K5 V151936 bf16 fsd/js, planner", 1, 5, 151936, torch.bfloat16, {}, {}),
+    ("B1 K5 V151936 bf16 fsd/js, staged", 1, 5, 151936, torch.bfloat16, {"FSD_EXT_CUDA_STAGED": "1"}, {}),
+    ("B16 K5 V128256 bf16 top_p=0.9", 16, 5, 128256, torch.bfloat16, {}, {"top_p": 0.9}),
+]
+
+
+def main():
+    assert torch.cuda.is_available(), "needs a GPU"
+    for name, batch, k, vocab, dtype, env, extra in CONFIGS:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        target = (torch.randn(batch, k + 1, vocab, device="cuda", generator=g) * 3).to(dtype)
+        draft = (target[:, :k].float() + torch.randn(batch, k, vocab, device="cuda", generator=g)).to(dtype)
+        tokens = torch.randint(0, vocab, (batch, k), device="cuda", generator=g)
+        os.environ.update({"FSD_EXT_CUDA_STAGED": "0", "FSD_EXT_CUDA_SPLITS": "0", "FSD_EXT_CUDA_LOG": "1"})
+        os.environ.update(env)
+        torch.cuda.synchronize()
+        print(f"=== config: {name}", flush=True)  # the launcher's path line follows on stderr
+        ops.accept(target, draft, tokens, rule="fsd", divergence="js", threshold=0.3, seed=1, **extra)
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
