@@ -224,13 +224,13 @@ def summarize(results):
                      f"{r['default_pct_copy_bw']:.0f}% / {fmt(r['staged_pct_copy_bw'], '.0f%')} | "
                      f"{fmt(r['torch_eager_us'])} | {fmt(r['torch_compile_us'])} | {fmt(r['speedup_vs_eager'])} | "
                      f"{fmt(r['speedup_vs_compile'])} |")
-    variants = sorted({n for r in results for n in r["split_variants"]}, key=int)
+    variants = sorted({n for r in results for n in r.get("split_variants", {})}, key=int)
     if variants:  # the planner's split against others (eager / graph us, the path taken)
         lines += ["", "| shape | planner: path, eager / graph us | "
                   + " | ".join(f"FSD_EXT_CUDA_SPLITS={n}" for n in variants) + " |",
                   "|" + "---|" * (2 + len(variants))]
         for r in results:
-            cells = [f"{v['path']} {v['eager_us']:.1f} / {v['graph_us']:.1f}" if (v := r["split_variants"].get(n))
+            cells = [f"{v['path']} {v['eager_us']:.1f} / {v['graph_us']:.1f}" if (v := r.get("split_variants", {}).get(n))
                      else "n/a" for n in variants]
             lines.append(f"| {r['shape']} | {r['path']} {r['eager_us']:.1f} / {r['graph_us']:.1f} | "
                          + " | ".join(cells) + " |")

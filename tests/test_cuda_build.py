@@ -99,6 +99,14 @@ def test_gpu_benchmark_summary_table():
     assert "60% / n/a" in table
     assert targets == {"B64 bf16 >= 80% copy BW": False, "B1 V151936 graph <= 10 us": False,
                        ">= 5x eager everywhere": False}
+    # Forced vocabulary splits get a second table; a diagnostic row (no eager baseline) prints n/a
+    # and stays out of the "everywhere" verdict.
+    split = dict(row, split_variants={"8": dict(path="split", eager_us=30.0, graph_us=29.5)})
+    diagnostic = dict(row, shape="B64 greedy [diagnostic]", torch_eager_us=None, speedup_vs_eager=None)
+    table, targets = bench.summarize([split, row, row, diagnostic])
+    assert "| B64 | fused 50.0 / 48.0 | split 30.0 / 29.5 |" in table and "| B64 | fused 50.0 / 48.0 | n/a |" in table
+    assert "| B64 greedy [diagnostic] | fused / staged |" in table and table.count("| n/a | n/a | n/a |") == 1
+    assert all(targets.values())
 
 
 def test_decode_graphs_benchmark_runs_and_summarizes(tmp_path):
