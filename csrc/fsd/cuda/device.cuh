@@ -13,6 +13,8 @@
 
 #include <cfloat>
 #include <cstdint>
+#include <cooperative_groups.h>
+#include <cooperative_groups/reduce.h>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
@@ -25,7 +27,8 @@ namespace cuda {
 constexpr int kThreads = 256;  // threads per block of every kernel
 // Register budgets (__launch_bounds__ minimum blocks per SM): ptxas otherwise sometimes settles on
 // 64 registers and spills. Streaming statistics: 4 blocks (<= 64 registers); the decision kernel
-// (pass 2 + the row finish): 2 blocks (<= 128); the filter path: 1 block.
+// (pass 2 + the row finish): 2 blocks (<= 128); the filter path: 1 block; sample_rows_kernel: 2
+// (its histograms' warp reductions spilled at 64).
 constexpr int kScanItems = 8;  // contiguous ids per thread in the sampling / tie scans
 constexpr float kInf = __builtin_huge_valf();
 
@@ -34,6 +37,17 @@ struct BFloat16 { uint16_t bits; };
 struct Float16 { uint16_t bits; };
 
 __device__ __forceinline__ float clamp_logit(float x) { return x == kInf ? FLT_MAX : x; }
+
+// e^x for the per-id terms of the streaming passes (x <= 0: softmax terms): 2^(x log2 e) on the
+// special-function unit, two instructions where expf takes about eight, which the statistics pass
+// spends per id. Relative error about 2^-22 plus |x| 2^-24 (from the product), so the terms near
+// the maximum, which carry the sums, are the most accurate; results below 2^-126 flush to 0.
+// Decisions (p and q of a draft token) keep the double-precision path.
+__device__ __forceinline__ float fast_exp(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+}
 
 __device__ __forceinline__ float raw_to_float(float x) { return x; }
 __device__ __forceinline__ float raw_to_float(BFloat16 x) { return __uint_as_float((uint32_t)x.bits << 16); }
@@ -80,10 +94,14 @@ __device__ __forceinline__ void decode_vec(const uint4 word, float (&out)[VecWid
 
 // N raw values from a 16-byte aligned address: global memory through the read-only path, or (with
 // kShared) a row staged in shared memory.
+template <bool kShared, typename T>
+__device__ __forceinline__ uint4 load_word(const T* p) {
+  const uint4* word = reinterpret_cast<const uint4*>(p);
+  return kShared ? *word : __ldg(word);
+}
 template <typename T, bool kShared = false>
 __device__ __forceinline__ void load_vec_raw(const T* p, float (&out)[VecWidth<T>::value]) {
-  const uint4* word = reinterpret_cast<const uint4*>(p);
-  decode_vec<T>(kShared ? *word : __ldg(word), out);
+  decode_vec<T>(load_word<kShared>(p), out);
 }
 
 template <int N>
@@ -110,11 +128,26 @@ __device__ __forceinline__ void block_for_each(const T* __restrict__ row, int64_
     f(j, v, Width<1>{});
   }
   const int64_t vectors = (end - head_end) / N;
-#pragma unroll 2
-  for (int64_t t = threadIdx.x; t < vectors; t += blockDim.x) {
-    float v[N];
-    load_vec_raw<T, kShared>(row + head_end + t * N, v);
-    f(head_end + t * N, v, Width<N>{});
+  // kAhead 16-byte loads in flight per thread before the first is used (the compiler does not
+  // hoist a load above the previous iteration's work); each thread still visits its vectors in
+  // the same order.
+  constexpr int kAhead = 2;
+  for (int64_t first = threadIdx.x; first < vectors; first += (int64_t)kAhead * blockDim.x) {
+    uint4 words[kAhead];
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      const int64_t t = first + (int64_t)u * blockDim.x;
+      if (t < vectors) words[u] = load_word<kShared>(row + head_end + t * N);
+    }
+#pragma unroll
+    for (int u = 0; u < kAhead; ++u) {
+      const int64_t t = first + (int64_t)u * blockDim.x;
+      if (t < vectors) {
+        float v[N];
+        decode_vec<T>(words[u], v);
+        f(head_end + t * N, v, Width<N>{});
+      }
+    }
   }
   for (int64_t j = head_end + vectors * N + threadIdx.x; j < end; j += blockDim.x) {
     float v[N];
@@ -234,9 +267,9 @@ __device__ __forceinline__ void stat_add(RowStat& st, int64_t id, const float* r
   for (int i = 0; i < N; ++i) {
     if (i >= n_valid) break;
     const float diff = x[i] - st.max;
-    const float es = expf(diff * inv_s);
+    const float es = fast_exp(diff * inv_s);
     st.sum_s += es;
-    st.sum_d += same_inv ? es : expf(diff * inv_d);
+    st.sum_d += same_inv ? es : fast_exp(diff * inv_d);
   }
 }
 
@@ -359,6 +392,10 @@ struct Dist {
     const float lp = log_prob(z, id);
     return lp > -kInf ? expf(lp) : 0.0f;
   }
+  __device__ __forceinline__ float prob_fast(float z, int64_t id) const {  // pass 2's streaming sums
+    const float lp = log_prob(z, id);
+    return lp > -kInf ? fast_exp(lp) : 0.0f;
+  }
   // log p in double (the acceptance decision).
   __device__ __forceinline__ double log_prob_precise(float z, int64_t id) const {
     if (one_hot >= 0) return id == one_hot ? 0.0 : -(double)kInf;
@@ -392,6 +429,19 @@ __device__ __forceinline__ float key_float(uint32_t key) {
   return __uint_as_float((key & 0x80000000u) ? (key & 0x7FFFFFFFu) : ~key);
 }
 
+// hist[bin] += value from the calling lanes of a warp: the lanes with the same bin first sum their
+// values (cooperative-groups partition by label), then one lane adds the sum. A row's keys fall in
+// a few bins of the first digits, so plain per-lane shared-memory atomics (a compare-and-swap loop
+// for double) serialise almost every id there: 8.3 ms for top_p at B=16, K=5, V=128256 on the H200.
+template <typename U>
+__device__ __forceinline__ void add_to_bin(U* hist, uint32_t bin, U value) {
+  namespace cg = cooperative_groups;
+  const cg::coalesced_group active = cg::coalesced_threads();
+  const cg::coalesced_group same_bin = cg::labeled_partition(active, bin);
+  const U sum = cg::reduce(same_bin, value, cg::plus<U>());
+  if (same_bin.thread_rank() == 0) atomicAdd(hist + bin, sum);
+}
+
 struct SelectShared {
   union {
     uint32_t count[256];
@@ -419,7 +469,7 @@ __device__ __forceinline__ uint32_t block_select_kth(const T* __restrict__ row, 
 #pragma unroll
       for (int i = 0; i < N; ++i) {
         const uint32_t key = key_of(clamp_logit(v[i]), j + i);
-        if ((key & high_mask) == (prefix & high_mask)) atomicAdd(&sh.hist.count[(key >> shift) & 0xFFu], 1u);
+        if ((key & high_mask) == (prefix & high_mask)) add_to_bin(sh.hist.count, (key >> shift) & 0xFFu, 1u);
       }
     });
     __syncthreads();
@@ -464,7 +514,7 @@ __device__ __forceinline__ bool block_select_mass(const T* __restrict__ row, int
         uint32_t key;
         const float w = weight_of(clamp_logit(v[i]), j + i, key);
         if (w > 0.0f && (key & high_mask) == (prefix & high_mask))
-          atomicAdd(&sh.hist.mass[(key >> shift) & 0xFFu], (double)w);
+          add_to_bin(sh.hist.mass, (key >> shift) & 0xFFu, (double)w);
       }
     });
     __syncthreads();
@@ -716,8 +766,8 @@ __device__ __forceinline__ void pass_two(const T* __restrict__ target, const T* 
       if (need_div) {
         const float lp = pd.log_prob(zt, j + i);
         const float lq = zd > -kInf ? qd.log_prob(zd, j + i) : -kInf;
-        pp = lp > -kInf ? expf(lp) : 0.0f;
-        qq = lq > -kInf ? expf(lq) : 0.0f;
+        pp = lp > -kInf ? fast_exp(lp) : 0.0f;
+        qq = lq > -kInf ? fast_exp(lq) : 0.0f;
         if (top.on) {
           const uint32_t key = float_key(lp > -kInf ? pd.scaled(zt) : -kInf);
           const bool in_top = key > top.key || (key == top.key && j + i <= top.tie_last);
@@ -733,8 +783,8 @@ __device__ __forceinline__ void pass_two(const T* __restrict__ target, const T* 
       }
       if (need_residual) {
         if (!(need_div && shared_dists)) {
-          pp = p.prob(zt, j + i);
-          qq = zd > -kInf ? q.prob(zd, j + i) : 0.0f;
+          pp = p.prob_fast(zt, j + i);
+          qq = zd > -kInf ? q.prob_fast(zd, j + i) : 0.0f;
         }
         residual += pp > qq ? pp - qq : 0.0f;
       }

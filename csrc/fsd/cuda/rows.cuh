@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kThreads) divergence_rows_kernel(const Diverge
 // finite logit, or a per-row temperature out of range).
 // Grid: (positions, batch).
 template <typename T>
-__global__ void __launch_bounds__(kThreads) sample_rows_kernel(const SampleProblem pb) {
+__global__ void __launch_bounds__(kThreads, 2) sample_rows_kernel(const SampleProblem pb) {
   const int64_t s = blockIdx.x, b = blockIdx.y;
   const T* row = static_cast<const T*>(pb.logits) + b * pb.stride_b + s * pb.stride_s;
   int64_t* out = pb.tokens + b * pb.positions + s;
