@@ -1,8 +1,9 @@
 // fsd_ext.accept on CUDA: one verification step straight from the logits in at most two launches.
 //
 // Grid: B * (K+1) * splits blocks (flattened: chunk fastest, then position, then row), kThreads
-// each. The vocabulary of a (row, position) is cut into `splits` chunks only when the batch alone
-// would leave SMs idle (never with filters or div_top_k).
+// each. The vocabulary of a (row, position) is cut into `splits` chunks (never with filters or
+// div_top_k): many when the batch alone would leave SMs idle, else chunks of at most 16384 ids
+// (the planner in accept.cu says why).
 //
 //   statistics, per (row, position, chunk): online-softmax statistics of the target and draft chunk
 //       (max, lowest argmax, sums of exponentials at the sampling and divergence temperatures,
@@ -14,9 +15,10 @@
 //       (rules.h) and draws the one correction / bonus token by inverse CDF: chunk totals first,
 //       then a block scan inside the chosen chunk.
 //
-// splits == 1 (enough rows): one launch, accept_stats_kernel<..., kFused=true> does both phases
-// per block, pass 2 backwards right after pass 1 (L2 reuse); the launcher zeroes the row counters
-// with a memset first. splits > 1: accept_stats_kernel then accept_decide_kernel.
+// splits == 1 (filters, a one-chunk vocabulary, greedy without divergences): one launch,
+// accept_stats_kernel<..., kFused=true> does both phases per block, pass 2 backwards right after
+// pass 1 (L2 reuse); the launcher zeroes the row counters with a memset first. splits > 1:
+// accept_stats_kernel then accept_decide_kernel.
 // Staged (opt-in, sm_90+, no filters): one launch of accept_staged_kernel, a thread-block cluster
 // per (row, position) whose blocks hold their chunks in shared memory between the two phases, so
 // the logits are read from global memory once.
