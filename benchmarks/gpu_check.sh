@@ -164,7 +164,7 @@ check "kernel benchmark" "$rc" "$WORK/bench.log" || true
 
 step "the CPU kernels' sources with this machine's C++ compiler ($CXX_BIN)"
 wait "$cxx_pid" || true
-cat "$WORK/cxx.log" | grep -E "^(csrc|g\+\+|c\+\+|gcc|clang)|error" | head -n 20
+grep -E "^(csrc|g\+\+|c\+\+|gcc|clang)|error" "$WORK/cxx.log" | head -n 20
 if grep -q "FAILED" "$WORK/cxx.log"; then note "C++ compile of csrc/fsd/cpu: FAILED (cxx.log)"; status=1
 else note "C++ compile of csrc/fsd/cpu: ok ($(head -n 1 "$WORK/cxx.log"))"; fi
 pack
@@ -203,7 +203,7 @@ PY
 check "ncu profile" "$rc" "$WORK/ncu.log" || true
 fi
 
-# 6. Best effort, while time is left: a few CUDA tests under compute-sanitizer (memcheck: out of
+# 7. Best effort, while time is left: a few CUDA tests under compute-sanitizer (memcheck: out of
 # bounds and misaligned accesses, e.g. bf16 rows of V=50001 on the split path; racecheck: shared
 # memory races). Without the caching allocator every tensor is its own allocation, so an access
 # past one is caught. Some GPU sandboxes refuse the sanitizer ("Device not supported"), and a run

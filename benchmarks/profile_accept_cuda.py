@@ -12,6 +12,7 @@ import os
 
 import torch
 
+from bench_accept_cuda import make_inputs  # benchmarks/ is on sys.path when run as a script
 from fsd_ext import ops
 
 # (name, batch, K, V, dtype, launcher environment, extra accept kwargs)
@@ -28,10 +29,7 @@ CONFIGS = [
 def main():
     assert torch.cuda.is_available(), "needs a GPU"
     for name, batch, k, vocab, dtype, env, extra in CONFIGS:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        target = (torch.randn(batch, k + 1, vocab, device="cuda", generator=g) * 3).to(dtype)
-        draft = (target[:, :k].float() + torch.randn(batch, k, vocab, device="cuda", generator=g)).to(dtype)
-        tokens = torch.randint(0, vocab, (batch, k), device="cuda", generator=g)
+        target, draft, tokens, _, _ = make_inputs(batch, k, vocab, dtype)  # the benchmark's logits
         os.environ.update({"FSD_EXT_CUDA_STAGED": "0", "FSD_EXT_CUDA_SPLITS": "0", "FSD_EXT_CUDA_LOG": "1"})
         os.environ.update(env)
         torch.cuda.synchronize()

@@ -36,6 +36,17 @@ struct Dist {
     const float s = scaled(logit);
     return s >= cut ? (double)s - std::log(sum) : -(double)kInf;
   }
+  // log p_j in float, for vectorised passes (divergence_sum). Both values computed, then selected:
+  // GCC vectorises this form and not `cut ? s - log_sum : ..`. A member, not a lambda there: GCC
+  // 13.2-14.2 (Ubuntu 24.04's g++-13/14, Debian 13's g++) crash in the targetclone pass (ICE in
+  // add_to_same_comdat_group) when a lambda that calls another lambda of the same inline or template
+  // function instantiates an FSD_CPU_CLONES template such as sum_range.
+  FSD_ALWAYS_INLINE float log_prob_float(float logit, int64_t id) const {
+    const float s = scaled(logit), lp = s - log_sum;
+    const float kept = s >= cut ? lp : -kInf;
+    const float hot = id == one_hot ? 0.0f : -kInf;
+    return one_hot >= 0 ? hot : kept;
+  }
 };
 
 inline float inverse_temperature(float tau) {
@@ -498,19 +509,6 @@ Dist sampling_dist(const T* row, int64_t n, const RowScan& scan, float tau, cons
   return d;
 }
 
-// log p_j in float for divergence_sum's vectorised pass. A function, not a lambda there: GCC 13.2,
-// 13.3 and 14.2 (Ubuntu 24.04's g++-13 and g++-14, Debian 13's g++) crash in the targetclone pass
-// (ICE in add_to_same_comdat_group) when a lambda that calls another lambda of the same inline or
-// template function (one with external linkage) instantiates an FSD_CPU_CLONES template such as
-// sum_range.
-FSD_ALWAYS_INLINE float float_log_prob(const Dist& d, float logit, int64_t id) {
-  // Both values computed, then selected: GCC vectorises this form and not `cut ? s - log_sum : ..`.
-  const float s = d.scaled(logit), lp = s - d.log_sum;
-  const float kept = s >= d.cut ? lp : -kInf;
-  const float one_hot = id == d.one_hot ? 0.0f : -kInf;
-  return d.one_hot >= 0 ? one_hot : kept;
-}
-
 // sum_j divergence_term(p_j, q_j) for target row zt [vt] and draft row zd [vd], vd <= vt; ids >= vd
 // have q = 0. Any p and q (cutoffs, one-hot); plain ones with stored exponentials take
 // divergence_sum_stored instead.
@@ -518,11 +516,11 @@ template <Divergence D, typename T>
 double divergence_sum(const T* zt, int64_t vt, const Dist& p, const T* zd, int64_t vd, const Dist& q) {
   const FastLog log_fn;
   auto both = [=](int64_t j) FSD_INLINE_LAMBDA {
-    const float lp = float_log_prob(p, load_logit(zt, j), j), lq = float_log_prob(q, load_logit(zd, j), j);
+    const float lp = p.log_prob_float(load_logit(zt, j), j), lq = q.log_prob_float(load_logit(zd, j), j);
     return divergence_term<D>(exp_nonpositive(lp), lp, exp_nonpositive(lq), lq, log_fn);
   };
   auto target_only = [=](int64_t j) FSD_INLINE_LAMBDA {  // ids >= vd: q = 0
-    const float lp = float_log_prob(p, load_logit(zt, j), j);
+    const float lp = p.log_prob_float(load_logit(zt, j), j);
     return divergence_term<D>(exp_nonpositive(lp), lp, 0.0f, -kInf, log_fn);
   };
   const auto term = split_weight(vd, both, target_only);

@@ -95,8 +95,8 @@ AcceptPlan plan_accept(const AcceptProblem& pb) {
     const int64_t sms = (int64_t)multiprocessor_count();
     const int64_t want_blocks = pb.batch * positions >= 2 * sms ? 0 : 4 * sms;
     const int64_t blocks = pb.batch * positions;
+    const int64_t by_vocab = std::max<int64_t>(1, (pb.target_vocab + kMinChunk - 1) / kMinChunk);
     if (blocks > 0 && blocks < want_blocks) {
-      const int64_t by_vocab = (pb.target_vocab + kMinChunk - 1) / kMinChunk;
       plan.splits = std::max<int64_t>(1, std::min({(want_blocks + blocks - 1) / blocks, by_vocab, kMaxSplits}));
     } else if (pb.rule != Rule::Greedy || pb.need_divergence) {
       // Greedy without divergences reads each row once and never samples: whole rows stay faster
@@ -104,7 +104,7 @@ AcceptPlan plan_accept(const AcceptProblem& pb) {
       plan.splits = std::min((pb.target_vocab + kBatchChunk - 1) / kBatchChunk, kMaxSplits);
     }
     if (const int64_t requested = splits_requested(); requested > 0)
-      plan.splits = std::min(requested, std::max<int64_t>(1, (pb.target_vocab + kMinChunk - 1) / kMinChunk));
+      plan.splits = std::min(requested, by_vocab);
   }
   if (!plan.staged) {
     const int64_t granule = 2048;
