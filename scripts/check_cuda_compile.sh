@@ -2,10 +2,11 @@
 # Compiles every csrc/fsd/cuda/*.cu with nvcc alone (no torch, no GPU needed) for sm_80 and sm_90
 # with -Xptxas -v, prints the resource report (registers, shared memory, stack, spills per kernel
 # and architecture) and fails on any compile error or on register spills in the main kernels.
+# Then builds and runs the host tests of the kernels' arithmetic (csrc/fsd/tests/*.cu).
 #
 #   scripts/check_cuda_compile.sh            # NVCC, FSD_CUDA_ARCHS ("80 90"), FSD_CUDA_CHECK_DIR override
 #
-# Exit status: 0 ok, 1 compile error or spills, 2 no nvcc.
+# Exit status: 0 ok, 1 compile error, spills or a failed host test, 2 no nvcc.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -93,3 +94,12 @@ if bad:
     sys.exit(1)
 print(f"== OK: {len(rows)} kernel builds, no spills")
 PY
+
+# Host checks of the kernels' per-thread streaming arithmetic (csrc/fsd/tests/*.cu: programs nvcc
+# compiles for the host, run here; they need no GPU).
+for test_source in "$ROOT"/csrc/fsd/tests/*.cu; do
+  name="$(basename "$test_source" .cu)"
+  echo "== host test: $name"
+  "$NVCC" -std=c++17 -O2 --expt-relaxed-constexpr -I"$ROOT/csrc" -Werror all-warnings "$test_source" -o "$OUT/$name"
+  "$OUT/$name"
+done

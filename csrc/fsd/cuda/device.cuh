@@ -2,23 +2,27 @@
 //
 //   - logit loads: float / bfloat16 / float16 to float, +inf clamped to FLT_MAX, 16-byte vectors
 //     with scalar head and tail so any row alignment and any vocabulary size works;
-//   - RowStat: online-softmax statistics of one vocabulary range (max, lowest argmax, sums of
-//     exponentials at two temperatures, NaN / finite flags) and their merge;
+//   - block-wide online-softmax statistics of one vocabulary range (the per-thread arithmetic,
+//     RowStat and its merge live in streaming.cuh);
 //   - Dist: a distribution over a row described by a few scalars (as in the CPU kernel);
 //   - block-wide radix select (top-k / top-p cutoffs, div_top_k), inverse-CDF sampling over a
-//     range (block scan over tiles), reductions.
+//     range (block scan over tiles), reductions;
+//   - pass 2 (divergence terms, residual mass): the plain path of streaming.cuh for the default
+//     configuration, a general per-id path for filters, one-hot rows and top-k buckets.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cfloat>
 #include <cstdint>
+#include <type_traits>
 #include <cooperative_groups.h>
 #include <cooperative_groups/reduce.h>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
 #include "fsd/common.h"
+#include "fsd/cuda/streaming.cuh"
 #include "fsd/rules.h"
 
 namespace fsd {
@@ -30,24 +34,10 @@ constexpr int kThreads = 256;  // threads per block of every kernel
 // (pass 2 + the row finish): 2 blocks (<= 128); the filter path: 1 block; sample_rows_kernel: 2
 // (its histograms' warp reductions spilled at 64).
 constexpr int kScanItems = 8;  // contiguous ids per thread in the sampling / tie scans
-constexpr float kInf = __builtin_huge_valf();
 
 // Storage types of the logits (bit patterns; converted to float on load).
 struct BFloat16 { uint16_t bits; };
 struct Float16 { uint16_t bits; };
-
-__device__ __forceinline__ float clamp_logit(float x) { return x == kInf ? FLT_MAX : x; }
-
-// e^x for the per-id terms of the streaming passes (x <= 0: softmax terms): 2^(x log2 e) on the
-// special-function unit, two instructions where expf takes about eight, which the statistics pass
-// spends per id. Relative error about 2^-22 plus |x| 2^-24 (from the product), so the terms near
-// the maximum, which carry the sums, are the most accurate; results below 2^-126 flush to 0.
-// Decisions (p and q of a draft token) keep the double-precision path.
-__device__ __forceinline__ float fast_exp(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
-  return y;
-}
 
 __device__ __forceinline__ float raw_to_float(float x) { return x; }
 __device__ __forceinline__ float raw_to_float(BFloat16 x) { return __uint_as_float((uint32_t)x.bits << 16); }
@@ -92,16 +82,12 @@ __device__ __forceinline__ void decode_vec(const uint4 word, float (&out)[VecWid
   }
 }
 
-// N raw values from a 16-byte aligned address: global memory through the read-only path, or (with
-// kShared) a row staged in shared memory.
+// The 16-byte word at a 16-byte aligned address: global memory through the read-only path, or
+// (with kShared) a row staged in shared memory.
 template <bool kShared, typename T>
 __device__ __forceinline__ uint4 load_word(const T* p) {
   const uint4* word = reinterpret_cast<const uint4*>(p);
   return kShared ? *word : __ldg(word);
-}
-template <typename T, bool kShared = false>
-__device__ __forceinline__ void load_vec_raw(const T* p, float (&out)[VecWidth<T>::value]) {
-  decode_vec<T>(load_word<kShared>(p), out);
 }
 
 template <int N>
@@ -179,17 +165,35 @@ __device__ __forceinline__ void block_for_each_pair(const T* __restrict__ target
       f(j, a, b, Width<1>{});
     }
     const int64_t vectors = (both_end - head_end) / N;
-    for (int64_t t = threadIdx.x; t < vectors; t += blockDim.x) {
-      const int64_t j = head_end + (reverse ? vectors - 1 - t : t) * N;
-      float a[N], b[N];
-      load_vec_raw<T, kShared>(target + j, a);
-      if (same_phase) {
-        load_vec_raw<T, kShared>(draft + j, b);
-      } else {
+    // As in block_for_each: kAhead vectors of each row in flight per thread.
+    constexpr int kAhead = 2;
+    for (int64_t first = threadIdx.x; first < vectors; first += (int64_t)kAhead * blockDim.x) {
+      uint4 target_words[kAhead], draft_words[kAhead];
 #pragma unroll
-        for (int i = 0; i < N; ++i) b[i] = load_raw(draft + j + i);
+      for (int u = 0; u < kAhead; ++u) {
+        const int64_t t = first + (int64_t)u * blockDim.x;
+        const int64_t j = head_end + (reverse ? vectors - 1 - t : t) * N;
+        if (t < vectors) {
+          target_words[u] = load_word<kShared>(target + j);
+          if (same_phase) draft_words[u] = load_word<kShared>(draft + j);
+        }
       }
-      f(j, a, b, Width<N>{});
+#pragma unroll
+      for (int u = 0; u < kAhead; ++u) {
+        const int64_t t = first + (int64_t)u * blockDim.x;
+        const int64_t j = head_end + (reverse ? vectors - 1 - t : t) * N;
+        if (t < vectors) {
+          float a[N], b[N];
+          decode_vec<T>(target_words[u], a);
+          if (same_phase) {
+            decode_vec<T>(draft_words[u], b);
+          } else {
+#pragma unroll
+            for (int i = 0; i < N; ++i) b[i] = load_raw(draft + j + i);
+          }
+          f(j, a, b, Width<N>{});
+        }
+      }
     }
     for (int64_t j = head_end + vectors * N + threadIdx.x; j < both_end; j += blockDim.x) {
       float a[N], b[N];
@@ -211,68 +215,6 @@ __device__ __forceinline__ void block_for_each_pair(const T* __restrict__ target
 // ---------------------------------------------------------------------------------------------
 // Online-softmax statistics of a range of one vocabulary row.
 
-enum StatFlags : int32_t { kHasNaN = 1, kHasFinite = 2 };
-
-struct RowStat {
-  float max;       // clamped maximum (-inf when the range has no value above -inf)
-  int32_t argmax;  // lowest id holding the maximum (INT32_MAX when none)
-  float sum_s;     // sum of exp((z - max) * inv_s): sampling temperature
-  float sum_d;     // sum of exp((z - max) * inv_d): divergence temperature
-  int32_t flags;   // StatFlags
-};
-
-__device__ __forceinline__ RowStat empty_stat() { return RowStat{-kInf, INT32_MAX, 0.0f, 0.0f, 0}; }
-
-__device__ __forceinline__ float rescale(float sum, float from_max, float to_max, float inv) {
-  if (from_max == to_max) return sum;
-  return from_max == -kInf ? 0.0f : sum * expf((from_max - to_max) * inv);
-}
-
-struct StatMerge {
-  float inv_s, inv_d;
-  __device__ __forceinline__ RowStat operator()(const RowStat& a, const RowStat& b) const {
-    RowStat out;
-    out.max = a.max > b.max ? a.max : b.max;
-    out.argmax = a.max > b.max ? a.argmax : (b.max > a.max ? b.argmax : min(a.argmax, b.argmax));
-    out.sum_s = rescale(a.sum_s, a.max, out.max, inv_s) + rescale(b.sum_s, b.max, out.max, inv_s);
-    out.sum_d = rescale(a.sum_d, a.max, out.max, inv_d) + rescale(b.sum_d, b.max, out.max, inv_d);
-    out.flags = a.flags | b.flags;
-    return out;
-  }
-};
-
-// Adds n raw values at ids id.. to a thread's statistics: one rescale per vector at most.
-template <int N>
-__device__ __forceinline__ void stat_add(RowStat& st, int64_t id, const float* raw, int n_valid, float inv_s,
-                                         float inv_d, bool same_inv) {
-  float x[N];
-  float vmax = -kInf;
-  int32_t varg = INT32_MAX;
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    if (i >= n_valid) break;
-    const float r = raw[i];
-    st.flags |= (r != r ? kHasNaN : 0) | (fabsf(r) < kInf ? kHasFinite : 0);
-    x[i] = clamp_logit(r);
-    if (x[i] > vmax) vmax = x[i], varg = (int32_t)(id + i);
-  }
-  if (vmax > st.max) {
-    st.sum_s = rescale(st.sum_s, st.max, vmax, inv_s);
-    st.sum_d = rescale(st.sum_d, st.max, vmax, inv_d);
-    st.max = vmax;
-    st.argmax = varg;
-  }
-  if (st.max == -kInf) return;  // nothing above -inf yet: every value contributes 0
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    if (i >= n_valid) break;
-    const float diff = x[i] - st.max;
-    const float es = fast_exp(diff * inv_s);
-    st.sum_s += es;
-    st.sum_d += same_inv ? es : fast_exp(diff * inv_d);
-  }
-}
-
 template <typename T>
 using StatReduce = cub::BlockReduce<RowStat, kThreads>;
 
@@ -289,15 +231,26 @@ __device__ __forceinline__ RowStat block_total_stat(const RowStat& st, float inv
   return out;
 }
 
+// Calls f(std::true_type) when the two temperatures agree (one exponential per id and one sum),
+// else f(std::false_type).
+template <typename F>
+__device__ __forceinline__ void with_same_inv(float inv_s, float inv_d, F&& f) {
+  if (inv_s == inv_d) f(std::true_type{});
+  else f(std::false_type{});
+}
+
 // Block-wide statistics of ids [begin, end) of `row`; the result is valid in every thread.
 template <typename T>
 __device__ __forceinline__ RowStat block_row_stat(const T* __restrict__ row, int64_t begin, int64_t end, float inv_s, float inv_d,
                                   typename StatReduce<T>::TempStorage& temp, RowStat& shared_out) {
   RowStat st = empty_stat();
-  const bool same_inv = inv_s == inv_d;
-  block_for_each(row, begin, end, [&](int64_t j, const float* v, auto width) {
-    constexpr int N = decltype(width)::value;
-    stat_add<N>(st, j, v, N, inv_s, inv_d, same_inv);
+  const StatScales scales = stat_scales(inv_s, inv_d);
+  with_same_inv(inv_s, inv_d, [&](auto same) {
+    constexpr bool kSame = decltype(same)::value;
+    block_for_each(row, begin, end, [&](int64_t j, const float* v, auto width) {
+      stat_add<decltype(width)::value, kSame>(st, j, v, scales);
+    });
+    if (kSame) st.sum_d = st.sum_s;
   });
   return block_total_stat<T>(st, inv_s, inv_d, temp, shared_out);
 }
@@ -328,14 +281,15 @@ __device__ __forceinline__ RowStat block_stage_stat(const T* __restrict__ row, T
                                                     typename StatReduce<T>::TempStorage& temp, RowStat& shared_out) {
   constexpr int N = VecWidth<T>::value, kUnroll = 8;
   RowStat st = empty_stat();
-  const bool same_inv = inv_s == inv_d;
-  auto scalar = [&](int64_t j) {
-    const T raw = row[j];
-    staged[j] = raw;
-    const float v = raw_to_float(raw);
-    stat_add<1>(st, j, &v, 1, inv_s, inv_d, same_inv);
-  };
-  if (end > begin) {
+  const StatScales scales = stat_scales(inv_s, inv_d);
+  if (end > begin) with_same_inv(inv_s, inv_d, [&](auto same) {
+    constexpr bool kSame = decltype(same)::value;
+    auto scalar = [&](int64_t j) {
+      const T raw = row[j];
+      staged[j] = raw;
+      const float v = raw_to_float(raw);
+      stat_add<1, kSame>(st, j, &v, scales);
+    };
     const int64_t head_end = vector_head_end(row, begin, end);
     for (int64_t j = begin + threadIdx.x; j < head_end; j += blockDim.x) scalar(j);
     const int64_t vectors = (end - head_end) / N;
@@ -355,12 +309,13 @@ __device__ __forceinline__ RowStat block_stage_stat(const T* __restrict__ row, T
           dst[t] = words[u];
           float v[N];
           decode_vec<T>(words[u], v);
-          stat_add<N>(st, head_end + t * N, v, N, inv_s, inv_d, same_inv);
+          stat_add<N, kSame>(st, head_end + t * N, v, scales);
         }
       }
     }
     for (int64_t j = head_end + vectors * N + threadIdx.x; j < end; j += blockDim.x) scalar(j);
-  }
+    if (kSame) st.sum_d = st.sum_s;
+  });
   return block_total_stat<T>(st, inv_s, inv_d, temp, shared_out);  // its barrier completes the copy
 }
 
@@ -744,6 +699,26 @@ __device__ __forceinline__ uint32_t rank_key(const Dist& d, float z, int64_t id)
   return float_key(d.log_prob(z, id) > -kInf ? d.scaled(z) : -kInf);
 }
 
+// Pass 2's plain path (streaming.cuh): p and q plain softmaxes that the divergence compares
+// itself, no buckets. Terms summed in float per thread, flushed to double every 32 vectors.
+template <Divergence D, bool kDiv, bool kResidual, bool kShared, typename T>
+__device__ __forceinline__ void pass_two_plain(const T* __restrict__ target, const T* __restrict__ draft, int64_t begin,
+                                               int64_t end, int64_t draft_vocab, const PlainPair& pair, bool reverse,
+                                               PassTwo& acc) {
+  float div = 0.0f, residual = 0.0f;
+  int count = 0;
+  block_for_each_pair<T, kShared>(target, draft, begin, end, draft_vocab, reverse, [&](int64_t, const float* a, const float* b, auto width) {
+#pragma unroll
+    for (int i = 0; i < decltype(width)::value; ++i) plain_add<D, kDiv, kResidual>(pair, a[i], b[i], div, residual);
+    if (++count == 32) {
+      acc.div += div * plain_term_unit<D>(), acc.residual += residual;
+      div = residual = 0.0f;
+      count = 0;
+    }
+  });
+  acc.div += div * plain_term_unit<D>(), acc.residual += residual;
+}
+
 // Accumulates pass 2 over [begin, end) of one position into a thread's PassTwo.
 //   p, q: sampling distributions (residual); pd, qd: the distributions the divergence compares.
 template <Divergence D, bool kShared = false, typename T>
@@ -755,6 +730,16 @@ __device__ __forceinline__ void pass_two(const T* __restrict__ target, const T* 
   const bool shared_dists = pd.max == p.max && pd.inv == p.inv && pd.cut == p.cut && pd.one_hot == p.one_hot &&
                             qd.max == q.max && qd.inv == q.inv && qd.cut == q.cut && qd.one_hot == q.one_hot &&
                             pd.log_sum == p.log_sum && qd.log_sum == q.log_sum;
+  if (!top.on && p.one_hot < 0 && q.one_hot < 0 && p.cut == -kInf && q.cut == -kInf && (shared_dists || !need_div)) {
+    const PlainPair pair = plain_pair(p.max, p.inv, p.sum, q.max, q.inv, q.sum);
+    if (need_div && need_residual)
+      pass_two_plain<D, true, true, kShared>(target, draft, begin, end, draft_vocab, pair, reverse, acc);
+    else if (need_div)
+      pass_two_plain<D, true, false, kShared>(target, draft, begin, end, draft_vocab, pair, reverse, acc);
+    else if (need_residual)
+      pass_two_plain<D, false, true, kShared>(target, draft, begin, end, draft_vocab, pair, reverse, acc);
+    return;
+  }
   float div = 0.0f, rest_p = 0.0f, rest_q = 0.0f, residual = 0.0f;
   int count = 0;
   block_for_each_pair<T, kShared>(target, draft, begin, end, draft_vocab, reverse, [&](int64_t j, const float* a, const float* b, auto width) {

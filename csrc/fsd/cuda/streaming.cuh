@@ -1,0 +1,223 @@
+// Per-thread arithmetic of the two streaming passes over a vocabulary row, one vector of logits at
+// a time: the online-softmax statistics of pass 1 and the divergence / residual terms of pass 2.
+//
+// These loops are where the kernels spend their instructions (every logit of every row goes
+// through them), so the common case is kept short: pass 1 spends about five instructions per
+// logit (a NaN-propagating max, a subtraction, a multiply, an SFU exponential, an add); the argmax
+// search, the rescale and the per-value checks run only for a vector that raises the row maximum
+// or holds a NaN or an infinity. Pass 2 has a plain path for the default configuration (no filter
+// cut, no one-hot row, no top-k buckets, the divergence compares the sampling distributions) that
+// works in log2 units: one FFMA per log-probability, one SFU exponential per probability and one
+// logarithm per id for js / mkl.
+//
+// Host-compilable (FSD_INLINE; the SFU instructions fall back to libm off the GPU), so that
+// csrc/fsd/tests/test_streaming.cu checks this arithmetic against double-precision sums without a
+// GPU.
+#pragma once
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+
+#include "fsd/common.h"
+#include "fsd/rules.h"
+
+namespace fsd {
+namespace cuda {
+
+constexpr float kInf = __builtin_huge_valf();
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr double kLn2 = 0.69314718055994530942;
+
+FSD_INLINE float clamp_logit(float x) { return x == kInf ? FLT_MAX : x; }
+
+// 2^x on the special-function unit (ex2.approx.ftz): relative error about 2^-22, results below
+// 2^-126 flush to 0. The streaming sums use it; decisions (p and q of a draft token) keep double.
+FSD_INLINE float fast_exp2(float x) {
+#ifdef __CUDA_ARCH__
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  const float y = std::exp2(x);
+  return y < FLT_MIN ? 0.0f : y;
+#endif
+}
+
+// e^x as 2^(x log2 e): relative error about 2^-22 plus |x| 2^-24 (from the product).
+FSD_INLINE float fast_exp(float x) { return fast_exp2(x * kLog2e); }
+
+// log2 x for the js / mkl midpoint, correctly rounded to about 1 ulp (log2f, not the SFU's
+// lg2.approx): the term p (lp - lm) subtracts two logs of similar size, and lg2.approx's error
+// (2 ulp of |lm|, up to 2^-18 for lm near -17) summed over a flat row reaches 1e-6, the tolerance
+// the CUDA tests hold the divergences to.
+struct Log2 {
+  FSD_INLINE float operator()(float x) const { return log2f(x); }
+};
+
+// The larger of a and b, NaN when either is NaN (one instruction from sm_80).
+FSD_INLINE float max_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float y;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
+  return y;
+#else
+  if (a != a || b != b) return a + b;
+  return a > b ? a : b;
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pass 1: online-softmax statistics.
+
+enum StatFlags : int32_t { kHasNaN = 1, kHasFinite = 2 };
+
+struct RowStat {
+  float max;       // clamped maximum (-inf when the range has no value above -inf)
+  int32_t argmax;  // lowest id holding the maximum (INT32_MAX when none)
+  float sum_s;     // sum of exp((z - max) * inv_s): sampling temperature
+  float sum_d;     // sum of exp((z - max) * inv_d): divergence temperature
+  int32_t flags;   // StatFlags
+};
+
+FSD_INLINE RowStat empty_stat() { return RowStat{-kInf, INT32_MAX, 0.0f, 0.0f, 0}; }
+
+FSD_INLINE float rescale(float sum, float from_max, float to_max, float inv) {
+  if (from_max == to_max) return sum;
+  return from_max == -kInf ? 0.0f : sum * expf((from_max - to_max) * inv);
+}
+
+struct StatMerge {
+  float inv_s, inv_d;
+  FSD_INLINE RowStat operator()(const RowStat& a, const RowStat& b) const {
+    RowStat out;
+    out.max = a.max > b.max ? a.max : b.max;
+    out.argmax = a.max > b.max ? a.argmax : (b.max > a.max ? b.argmax : (a.argmax < b.argmax ? a.argmax : b.argmax));
+    out.sum_s = rescale(a.sum_s, a.max, out.max, inv_s) + rescale(b.sum_s, b.max, out.max, inv_s);
+    out.sum_d = rescale(a.sum_d, a.max, out.max, inv_d) + rescale(b.sum_d, b.max, out.max, inv_d);
+    out.flags = a.flags | b.flags;
+    return out;
+  }
+};
+
+// An inverse temperature in log2 units, saturated like the inverse temperature itself (a tiny
+// temperature gives FLT_MAX, and 0 * inf would be NaN at the maximum).
+FSD_INLINE float log2_scale(float inv) {
+  const float scale = inv * kLog2e;
+  return scale < FLT_MAX ? scale : FLT_MAX;
+}
+
+// The temperatures of a statistics pass: inverse temperatures (rescaling sums) and the same in
+// log2 units (the per-id exponentials).
+struct StatScales {
+  float inv_s, inv_d;
+  float log2_s, log2_d;
+};
+FSD_INLINE StatScales stat_scales(float inv_s, float inv_d) {
+  return StatScales{inv_s, inv_d, log2_scale(inv_s), log2_scale(inv_d)};
+}
+
+// N values, by value (a call passes them in registers).
+template <int N>
+struct Values {
+  float v[N];
+};
+
+// stat_add for a vector holding a NaN, an infinity or nothing above -inf: every value checked and
+// clamped, the running maximum raised value by value. Out of line: it is rare, and the hot loop
+// stays short.
+template <int N, bool kSameInv>
+__host__ __device__ __noinline__ RowStat stat_add_checked(RowStat st, int64_t id, Values<N> raw, StatScales sc) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float r = raw.v[i];
+    st.flags |= (r != r ? kHasNaN : 0) | (fabsf(r) < kInf ? kHasFinite : 0);
+    const float x = clamp_logit(r);
+    if (x > st.max) {
+      st.sum_s = rescale(st.sum_s, st.max, x, sc.inv_s);
+      if (!kSameInv) st.sum_d = rescale(st.sum_d, st.max, x, sc.inv_d);
+      st.max = x;
+      st.argmax = (int32_t)(id + i);
+    }
+    if (st.max == -kInf) continue;  // nothing above -inf yet: the value contributes 0
+    const float diff = x - st.max;
+    st.sum_s += fast_exp2(diff * sc.log2_s);
+    if (!kSameInv) st.sum_d += fast_exp2(diff * sc.log2_d);
+  }
+  return st;
+}
+
+// Adds N raw values at ids id.. to a thread's statistics. With kSameInv (one temperature) only
+// sum_s is kept; the caller copies it to sum_d.
+template <int N, bool kSameInv>
+FSD_INLINE void stat_add(RowStat& st, int64_t id, const float* raw, const StatScales& sc) {
+  float vmax = raw[0];
+#pragma unroll
+  for (int i = 1; i < N; ++i) vmax = max_nan(vmax, raw[i]);
+  if (!(fabsf(vmax) < kInf)) {  // a NaN, +inf, or every value -inf: rare
+    Values<N> values;
+#pragma unroll
+    for (int i = 0; i < N; ++i) values.v[i] = raw[i];
+    st = stat_add_checked<N, kSameInv>(st, id, values, sc);
+    return;
+  }
+  st.flags |= kHasFinite;
+  if (vmax > st.max) {  // a new maximum: its lowest id (earlier vectors hold only smaller values)
+    int32_t arg = (int32_t)id;
+#pragma unroll
+    for (int i = N - 1; i >= 0; --i)
+      if (raw[i] == vmax) arg = (int32_t)(id + i);
+    st.sum_s = rescale(st.sum_s, st.max, vmax, sc.inv_s);
+    if (!kSameInv) st.sum_d = rescale(st.sum_d, st.max, vmax, sc.inv_d);
+    st.max = vmax;
+    st.argmax = arg;
+  }
+  float sum_s = 0.0f, sum_d = 0.0f;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float diff = raw[i] - st.max;  // -inf for a -inf logit: 2^-inf = 0
+    const float es = fast_exp2(diff * sc.log2_s);
+    sum_s = i == 0 ? es : sum_s + es;
+    if (!kSameInv) {
+      const float ed = fast_exp2(diff * sc.log2_d);
+      sum_d = i == 0 ? ed : sum_d + ed;
+    }
+  }
+  st.sum_s += sum_s;
+  if (!kSameInv) st.sum_d += sum_d;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pass 2, plain path: p = softmax(z_t * inv_t), q = softmax(z_d * inv_d) over the whole row.
+
+struct PlainPair {
+  float max_t, max_d;      // row maxima (clamped)
+  float scale_t, scale_d;  // inverse temperatures in log2 units
+  float lsum_t, lsum_d;    // log2 of the sums of exponentials
+};
+
+FSD_INLINE PlainPair plain_pair(float max_t, float inv_t, double sum_t, float max_d, float inv_d, double sum_d) {
+  return PlainPair{max_t, max_d, log2_scale(inv_t), log2_scale(inv_d), (float)::log2(sum_t), (float)::log2(sum_d)};
+}
+
+// What one unit of a term adds in nats: the log-based divergences are summed in bits.
+template <Divergence D>
+constexpr double plain_term_unit() {
+  return D == Divergence::TV ? 1.0 : kLn2;
+}
+
+// Adds one id's divergence term (in bits) and residual max(0, p - q). zd is -inf beyond the draft
+// vocabulary (q = 0 there).
+// (fminf clamps +inf in one instruction; it would also turn a NaN into FLT_MAX, but a row with a
+// NaN never reaches pass 2.)
+template <Divergence D, bool kDiv, bool kResidual>
+FSD_INLINE void plain_add(const PlainPair& pl, float zt, float zd, float& div, float& residual) {
+  const float lp = fmaf(fminf(zt, FLT_MAX) - pl.max_t, pl.scale_t, -pl.lsum_t);  // log2 p
+  const float lq = fmaf(fminf(zd, FLT_MAX) - pl.max_d, pl.scale_d, -pl.lsum_d);  // log2 q (-inf: q = 0)
+  const float pp = fast_exp2(lp), qq = fast_exp2(lq);
+  if (kDiv) div += divergence_term<D, float>(pp, lp, qq, lq, Log2{});
+  if (kResidual) residual += pp > qq ? pp - qq : 0.0f;
+}
+
+}  // namespace cuda
+}  // namespace fsd
