@@ -186,46 +186,73 @@ __device__ __forceinline__ void position_stats(const AcceptProblem& pb, const Ac
 // Kernel 2.
 
 // Full-row statistics of (row, position, model) from its chunk records: max, argmax, flags and the
-// sums in double. Called by all 32 lanes of one warp (lanes stride over the chunks); the result is
-// valid in every lane.
+// sums in double.
 struct FullStat {
   float max;
   int32_t argmax, flags;
   double sum_s, sum_d;
 };
 
-__device__ __forceinline__ FullStat warp_combine_chunks(const RowStat* chunks, int64_t splits, float inv_s,
-                                                        float inv_d) {
+// The full-row statistics of a position's target (chunks[0, splits)) and, with `with_draft`, its
+// draft (chunks[splits, 2 splits)). Called by all 32 lanes of one warp (lane l takes chunks l,
+// l + 32, ...); the results are valid in every lane. Each lane issues the loads of its first
+// kCached rounds of both models at once and keeps those records in registers for the second sweep,
+// so with up to 64 chunks the warp waits for L2 once, not four times (this is on the critical path
+// of every decision block and of a small batch's latency).
+__device__ __forceinline__ void warp_combine_position(const RowStat* chunks, int64_t splits, bool with_draft,
+                                                      float inv_s, float inv_d, FullStat& target, FullStat& draft) {
+  constexpr int kCached = 2;
   const int lane = threadIdx.x & 31;
-  FullStat out{-kInf, INT32_MAX, 0, 0.0, 0.0};
-  for (int64_t c = lane; c < splits; c += 32) {  // a lane's chunks ascend: its first max has the lowest id
-    const RowStat s = load_coherent(chunks + c);
-    out.flags |= s.flags;
-    if (s.max > out.max) out.max = s.max, out.argmax = s.argmax;
-  }
+  RowStat cached[2][kCached];
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    const float other_max = __shfl_xor_sync(0xFFFFFFFFu, out.max, offset);
-    const int32_t other_arg = __shfl_xor_sync(0xFFFFFFFFu, out.argmax, offset);
-    out.flags |= __shfl_xor_sync(0xFFFFFFFFu, out.flags, offset);
-    if (other_max > out.max || (other_max == out.max && other_arg < out.argmax)) {
-      out.max = other_max;
-      out.argmax = other_arg;
+  for (int m = 0; m < 2; ++m) {
+#pragma unroll
+    for (int k = 0; k < kCached; ++k) {
+      const int64_t c = lane + 32 * k;
+      cached[m][k] = c < splits && (m == 0 || with_draft) ? load_coherent(chunks + m * splits + c) : empty_stat();
     }
   }
-  if (out.max == -kInf) return out;
-  for (int64_t c = lane; c < splits; c += 32) {
-    const RowStat s = load_coherent(chunks + c);
-    if (s.max == -kInf) continue;
-    out.sum_s += (double)s.sum_s * (s.max == out.max ? 1.0 : (double)expf((s.max - out.max) * inv_s));
-    out.sum_d += (double)s.sum_d * (s.max == out.max ? 1.0 : (double)expf((s.max - out.max) * inv_d));
-  }
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    out.sum_s += __shfl_xor_sync(0xFFFFFFFFu, out.sum_s, offset);
-    out.sum_d += __shfl_xor_sync(0xFFFFFFFFu, out.sum_d, offset);
+  for (int m = 0; m < 2; ++m) {
+    FullStat out{-kInf, INT32_MAX, 0, 0.0, 0.0};
+    if (m == 1 && !with_draft) {
+      draft = out;
+      break;
+    }
+    // The lane's records in ascending chunk order: the cached rounds, then the rest from L2.
+    auto for_each_record = [&](auto&& f) {
+#pragma unroll
+      for (int k = 0; k < kCached; ++k) f(cached[m][k]);  // empty beyond splits
+      for (int64_t c = lane + 32 * kCached; c < splits; c += 32) f(load_coherent(chunks + m * splits + c));
+    };
+    for_each_record([&](const RowStat& s) {  // a lane's first max has its lowest id
+      out.flags |= s.flags;
+      if (s.max > out.max) out.max = s.max, out.argmax = s.argmax;
+    });
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      const float other_max = __shfl_xor_sync(0xFFFFFFFFu, out.max, offset);
+      const int32_t other_arg = __shfl_xor_sync(0xFFFFFFFFu, out.argmax, offset);
+      out.flags |= __shfl_xor_sync(0xFFFFFFFFu, out.flags, offset);
+      if (other_max > out.max || (other_max == out.max && other_arg < out.argmax)) {
+        out.max = other_max;
+        out.argmax = other_arg;
+      }
+    }
+    if (out.max != -kInf) {
+      for_each_record([&](const RowStat& s) {
+        if (s.max == -kInf) return;
+        out.sum_s += (double)s.sum_s * (s.max == out.max ? 1.0 : (double)expf((s.max - out.max) * inv_s));
+        out.sum_d += (double)s.sum_d * (s.max == out.max ? 1.0 : (double)expf((s.max - out.max) * inv_d));
+      });
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) {
+        out.sum_s += __shfl_xor_sync(0xFFFFFFFFu, out.sum_s, offset);
+        out.sum_d += __shfl_xor_sync(0xFFFFFFFFu, out.sum_d, offset);
+      }
+    }
+    (m == 0 ? target : draft) = out;
   }
-  return out;
 }
 
 // Sum over chunks of a per-chunk double (warp-wide, valid in every lane).
@@ -477,9 +504,8 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
     if (threadIdx.x < 32) {  // warp 0 combines the chunk records of this position
       const int64_t slot = (b * positions + i) * 2;
       const bool filtered = ws.splits == 1 && ws.filters != nullptr;
-      const FullStat st_t = warp_combine_chunks(ws.chunk_stats + slot * splits, splits, temps.inv_s, temps.inv_d);
-      FullStat st_d{-kInf, INT32_MAX, 0, 0.0, 0.0};
-      if (i < nd) st_d = warp_combine_chunks(ws.chunk_stats + (slot + 1) * splits, splits, temps.inv_s, temps.inv_d);
+      FullStat st_t, st_d;
+      warp_combine_position(ws.chunk_stats + slot * splits, splits, i < nd, temps.inv_s, temps.inv_d, st_t, st_d);
       if (threadIdx.x == 0) {
         const Dist p = sampling_dist(st_t, temps, filtered ? ws.filters + slot : nullptr);
         const Dist q = i < nd ? sampling_dist(st_d, temps, filtered ? ws.filters + slot + 1 : nullptr)
