@@ -11,20 +11,9 @@
 #include "fsd/cpu/skinny_gemm.h"
 #include "fsd/philox.h"
 #include "fsd/rules.h"
+#include "expect.h"
 
 namespace {
-
-int failures = 0;
-
-#define EXPECT(cond)                                                         \
-  do {                                                                       \
-    if (!(cond)) {                                                           \
-      std::fprintf(stderr, "%s:%d: expected %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                            \
-    }                                                                        \
-  } while (0)
-
-#define EXPECT_NEAR(a, b, tol) EXPECT(std::fabs((double)(a) - (double)(b)) <= (tol))
 
 void test_philox_known_answer() {
   // Random123's published known-answer vector for Philox4x32-10: counter and key all ones bits.
@@ -282,7 +271,7 @@ void test_filter_cutoffs_equal_sorting() {
           if (!(cut == expected)) {
             std::fprintf(stderr, "n=%lld shape=%d tau=%g top_k=%lld top_p=%g: cutoff %.9g, sorting %.9g\n",
                          (long long)n, shape, tau, (long long)f.top_k, f.top_p, cut, expected);
-            ++failures;
+            ++fsd_test::failures;
           }
         }
       }
@@ -310,10 +299,5 @@ int main() {
   test_divergences_by_hand();
   test_accept_end_to_end();
   test_filter_cutoffs_equal_sorting();
-  if (failures) {
-    std::fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  std::printf("all core checks passed\n");
-  return 0;
+  return fsd_test::verdict("test_core");
 }

@@ -13,21 +13,12 @@
 #include <vector>
 
 #include "fsd/cuda/streaming.cuh"
+#include "expect.h"
 
 namespace {
 
 using fsd::Divergence;
 using namespace fsd::cuda;
-
-int failures = 0;
-
-#define EXPECT(cond)                                                         \
-  do {                                                                       \
-    if (!(cond)) {                                                           \
-      std::fprintf(stderr, "%s:%d: expected %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                            \
-    }                                                                        \
-  } while (0)
 
 bool close(double got, double want, double rel, double abs_tol) {
   if (std::isinf(want)) return got == want;
@@ -102,7 +93,7 @@ void check_stat(const std::vector<float>& row, float inv_s, float inv_d, int thr
     std::fprintf(stderr, "stat mismatch (%s): max %g/%g argmax %d/%lld sum_s %.9g/%.9g sum_d %.9g/%.9g flags %d\n",
                  what, got.max, ref.max, got.argmax, (long long)ref.argmax, got.sum_s, ref.sum_s, got.sum_d,
                  ref.sum_d, got.flags);
-    ++failures;
+    ++fsd_test::failures;
   }
 }
 
@@ -224,7 +215,7 @@ void check_pass_two(const std::vector<float>& target, const std::vector<float>& 
     if (!close(got_div, want_div, 1e-5, 1e-7) || !close(got_residual, want_residual, 1e-5, 1e-7)) {
       std::fprintf(stderr, "pass 2 mismatch (%s, divergence %d): div %.9g / %.9g residual %.9g / %.9g\n", what, k,
                    got_div, want_div, got_residual, want_residual);
-      ++failures;
+      ++fsd_test::failures;
     }
   }
 }
@@ -289,10 +280,5 @@ int main() {
   test_fast_functions();
   test_statistics();
   test_pass_two();
-  if (failures) {
-    std::fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  std::printf("all streaming-arithmetic checks passed\n");
-  return 0;
+  return fsd_test::verdict("test_streaming");
 }
