@@ -2,7 +2,7 @@
 // a time: the online-softmax statistics of pass 1 and the divergence / residual terms of pass 2.
 //
 // These loops are where the kernels spend their instructions (every logit of every row goes
-// through them), so the common case is kept short: pass 1 spends about five instructions per
+// through them), so the common case is kept short: pass 1 spends five arithmetic instructions per
 // logit (a NaN-propagating max, a subtraction, a multiply, an SFU exponential, an add); the argmax
 // search, the rescale and the per-value checks run only for a vector that raises the row maximum
 // or holds a NaN or an infinity. Pass 2 has a plain path for the default configuration (no filter
@@ -49,7 +49,7 @@ FSD_INLINE float fast_exp(float x) { return fast_exp2(x * kLog2e); }
 
 // log2 x for the js / mkl midpoint, correctly rounded to about 1 ulp (log2f, not the SFU's
 // lg2.approx): the term p (lp - lm) subtracts two logs of similar size, and lg2.approx's error
-// (2 ulp of |lm|, up to 2^-18 for lm near -17) summed over a flat row reaches 1e-6, the tolerance
+// (2 ulp of |lm|, up to 2^-18 for lm near -17) summed over a flat row can reach 1e-6, the tolerance
 // the CUDA tests hold the divergences to.
 struct Log2 {
   FSD_INLINE float operator()(float x) const { return log2f(x); }
