@@ -7,8 +7,11 @@
 // search, the rescale and the per-value checks run only for a vector that raises the row maximum
 // or holds a NaN or an infinity. Pass 2 has a plain path for the default configuration (no filter
 // cut, no one-hot row, no top-k buckets, the divergence compares the sampling distributions) that
-// works in log2 units: one FFMA per log-probability, one SFU exponential per probability and one
-// logarithm per id for js / mkl.
+// works in log2 units: a subtraction and an FFMA per log-probability, one SFU exponential per
+// probability and one logarithm per id for js / mkl. (One difference from the float64 reference
+// at the edge of the float range: with a +inf logit, which counts as FLT_MAX, the other ids' log2 p
+// overflows to -inf, so rkl / mkl come out +inf where the reference's double sum stays near 3e38;
+// the general path did the same below temperature 1. Either is far above any threshold.)
 //
 // Host-compilable (FSD_INLINE; the SFU instructions fall back to libm off the GPU), so that
 // csrc/fsd/tests/test_streaming.cu checks this arithmetic against double-precision sums without a
