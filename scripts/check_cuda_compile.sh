@@ -2,7 +2,9 @@
 # Compiles every csrc/fsd/cuda/*.cu with nvcc alone (no torch, no GPU needed) for sm_80 and sm_90
 # with -Xptxas -v, prints the resource report (registers, shared memory, stack, spills per kernel
 # and architecture) and fails on any compile error or on register spills in the main kernels.
-# Then builds and runs the host tests of the kernels' arithmetic (csrc/fsd/tests/*.cu).
+# Then builds and runs the host tests of the kernels' arithmetic (csrc/fsd/tests/*.cu), and links
+# the torch-free step timer (benchmarks/accept_trace.cu) against these objects and, for sm_90, its
+# phase-tracing build (every kernel again with -DFSD_CUDA_TRACE), so neither can rot unnoticed.
 #
 #   scripts/check_cuda_compile.sh            # NVCC, FSD_CUDA_ARCHS ("80 90"), FSD_CUDA_CHECK_DIR override
 #
@@ -103,3 +105,15 @@ for test_source in "$ROOT"/csrc/fsd/tests/*.cu; do
   "$NVCC" -std=c++17 -O2 --expt-relaxed-constexpr -I"$ROOT/csrc" -Werror all-warnings "$test_source" -o "$OUT/$name"
   "$OUT/$name"
 done
+
+# The torch-free step timer links against the objects above (all architectures); the phase tracer
+# recompiles the kernels with -DFSD_CUDA_TRACE (sm_90 only: the tracing points are the same code on
+# every architecture, and one build keeps CI short).
+echo "== step timer and phase tracer (benchmarks/accept_trace.cu)"
+"$NVCC" -std=c++17 -O3 --expt-relaxed-constexpr -lineinfo -I"$ROOT/csrc" "${GENCODE[@]}" -Werror all-warnings \
+  -c "$ROOT/benchmarks/accept_trace.cu" -o "$OUT/accept_trace_main.o"
+KERNEL_OBJECTS=()
+for src in "${SOURCES[@]}"; do KERNEL_OBJECTS+=("$OUT/$(basename "$src" .cu).o"); done
+"$NVCC" "${GENCODE[@]}" "$OUT/accept_trace_main.o" "${KERNEL_OBJECTS[@]}" -o "$OUT/accept_timing"
+echo "linked $OUT/accept_timing"
+NVCC="$NVCC" FSD_CUDA_ARCHS=90 MODES=trace OUT_DIR="$OUT/accept_trace" bash "$ROOT/benchmarks/build_accept_trace.sh"

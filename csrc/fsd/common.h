@@ -112,6 +112,12 @@ struct AcceptProblem {
   float* divergences = nullptr;     // [B, K]; NaN past num_draft, on invalid rows, and everywhere
   bool need_divergence = true;      // when false (no rule or caller needs D): all NaN, not computed
 
+#ifdef FSD_CUDA_TRACE
+  // A device fsd::cuda::TraceSink for the kernels' phase trace, or nullptr (csrc/fsd/cuda/trace.cuh;
+  // only in builds with -DFSD_CUDA_TRACE: benchmarks/accept_trace.cu).
+  const void* trace = nullptr;
+#endif
+
   // Whether row b's threshold and temperatures lie in their ranges (see temperature_in_range).
   FSD_INLINE bool row_values_in_range(int64_t b) const {
     return threshold_in_range(threshold.at(b)) && temperature_in_range(temperature.at(b)) &&

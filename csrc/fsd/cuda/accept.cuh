@@ -32,6 +32,7 @@
 #include <cooperative_groups.h>
 
 #include "fsd/cuda/device.cuh"
+#include "fsd/cuda/trace.cuh"
 #include "fsd/philox.h"
 
 namespace fsd {
@@ -135,6 +136,7 @@ __device__ __forceinline__ void position_stats(const AcceptProblem& pb, const Ac
   const int64_t slot = (b * positions + i) * 2;
   const RowStat st_t = block_row_stat(target, begin, end, temps.inv_s, temps.inv_d, temp.stat, stat_out);
   if (threadIdx.x == 0) ws.chunk_stats[slot * splits + c] = st_t;
+  FSD_TRACE(pb, kTraceStatsTarget);
   RowStat st_d = empty_stat();
   if (i < nd) {
     st_d = block_row_stat(draft, begin, min(end, pb.draft_vocab), temps.inv_s, temps.inv_d, temp.stat, stat_out);
@@ -180,6 +182,7 @@ __device__ __forceinline__ void position_stats(const AcceptProblem& pb, const Ac
       ws.filters[slot + 1] = info_d;
     }
   }
+  FSD_TRACE(pb, kTraceStatsEnd);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -337,6 +340,7 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
     sh.mode = kModeDone;
   }
   __syncthreads();
+  FSD_TRACE(pb, kTraceFinishValid);
   if (!valid) return;
 
   // 2. Divergences of the used positions: one warp per position sums its chunk records.
@@ -354,6 +358,7 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
     }
   }
   __syncthreads();
+  FSD_TRACE(pb, kTraceFinishDiv);
 
   // 3. Acceptance scan: every used position's decision in parallel (one thread each; the coins
   //    are counter-based, so deciding speculatively changes nothing), then the first rejection.
@@ -389,6 +394,7 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
     }
   }
   __syncthreads();
+  FSD_TRACE(pb, kTraceFinishScan);
   if (sh.mode == kModeDone) return;
   const int64_t at = sh.at;
   const PositionInfo info = load_coherent(infos + at);
@@ -448,6 +454,7 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
     }
   }
   __syncthreads();
+  FSD_TRACE(pb, kTraceFinishChunk);
 
   // 5. Inverse CDF inside the chosen chunk (block scan over tiles).
   const int32_t mode = sh.sample_mode;
@@ -500,6 +507,7 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
   const int64_t k = pb.max_draft, positions = k + 1, splits = ws.splits;
   const int64_t nd = row_num_draft(pb, b);
   const RowTemps temps = row_temps(pb, b);
+  FSD_TRACE(pb, kTraceDecideBegin);
   if (nd >= 0 && nd <= k && i <= nd) {
     if (threadIdx.x < 32) {  // warp 0 combines the chunk records of this position
       const int64_t slot = (b * positions + i) * 2;
@@ -535,6 +543,7 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
       }
     }
     __syncthreads();
+    FSD_TRACE(pb, kTraceDists);
     const bool need_residual = (pb.rule == Rule::SD || pb.rule == Rule::FSD) && !temps.greedy;
     if (i < nd && sh.good && !sh.accepted_early && (pb.need_divergence || need_residual)) {
       const int64_t begin = c * ws.chunk, end = min(pb.target_vocab, begin + ws.chunk);
@@ -547,6 +556,7 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
       });
       const PassTwo sums = cub::BlockReduce<PassTwo, kThreads>(sh.temp.reduce).Reduce(acc, PassTwoSum());
       if (threadIdx.x == 0) ws.pass_two[(b * positions + i) * splits + c] = sums;
+      FSD_TRACE(pb, kTracePassTwo);
     }
   }
   // The last block of row b to get here finishes the row.
@@ -557,9 +567,11 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
     sh.last_block = done == (uint32_t)(splits * positions - 1);
   }
   __syncthreads();
+  FSD_TRACE(pb, kTraceCounted);
   if (!sh.last_block) return;
   __threadfence();
   finish_row<T>(pb, ws, b, sh.temp.final_shared);
+  FSD_TRACE(pb, kTraceFinishEnd);
 }
 
 // Split path (splits > 1), second launch.
@@ -578,6 +590,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 2 : 4) accept_stats_kernel(
   const int64_t c = blockIdx.x % splits, i = (blockIdx.x / splits) % positions, b = blockIdx.x / (splits * positions);
   // Split path: kernel 2 counts finished blocks from 0 (fused path: the launcher zeroes them).
   if (!kFused && c == 0 && i == 0 && threadIdx.x == 0) ws.counters[b] = 0;
+  FSD_TRACE(pb, kTraceStatsBegin);
   const int64_t nd = row_num_draft(pb, b);
   if (nd >= 0 && nd <= k && i <= nd) position_stats<T, kFiltered>(pb, ws, c, i, b, nd);
   if constexpr (kFused) {
@@ -606,6 +619,7 @@ __global__ void __launch_bounds__(kThreads, 2) accept_staged_kernel(const Accept
   const T* draft = draft_row<T>(pb, b, i);
   T* staged_target = stage_pointer(stage, target, begin);
   T* staged_draft = stage_pointer(reinterpret_cast<char*>(stage) + stage_region_bytes(ws.chunk, sizeof(T)), draft, begin);
+  FSD_TRACE(pb, kTraceStatsBegin);
   if (nd >= 0 && nd <= k && i <= nd) {  // the same for every block of the cluster
     const RowTemps temps = row_temps(pb, b);
     __shared__ typename StatReduce<T>::TempStorage temp;
@@ -622,6 +636,7 @@ __global__ void __launch_bounds__(kThreads, 2) accept_staged_kernel(const Accept
   // Release / acquire at cluster scope: after it every chunk record of this position is visible to
   // the L2 loads in decide_position.
   cooperative_groups::this_cluster().sync();
+  FSD_TRACE(pb, kTraceStatsEnd);  // the cluster's statistics published
   __shared__ DecideShared sh;
   decide_position<T, true>(pb, ws, c, i, b, false, staged_target, staged_draft, sh);
 #endif
