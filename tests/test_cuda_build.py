@@ -85,26 +85,31 @@ def test_gpu_benchmark_summary_table():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     row = dict(shape="B64", path="fused", staged_request_path="staged", eager_us=50.0, graph_us=48.0,
-               staged_eager_us=40.0, staged_graph_us=9.0, gbs=4000.0, default_pct_copy_bw=60.0,
+               graph_steps_us=45.0, staged_eager_us=40.0, staged_graph_us=11.0, staged_graph_steps_us=9.0,
+               gbs=4000.0, default_pct_copy_bw=60.0,
                staged_pct_copy_bw=80.0, pct_copy_bw=80.0, torch_eager_us=900.0, torch_compile_us=None,
                speedup_vs_eager=22.5, speedup_vs_compile=None)
     unstaged = dict(row, staged_request_path=None, staged_eager_us=None, staged_graph_us=None,
-                    staged_pct_copy_bw=None, pct_copy_bw=60.0, speedup_vs_eager=4.0)
+                    staged_graph_steps_us=None, staged_pct_copy_bw=None, pct_copy_bw=60.0, speedup_vs_eager=4.0)
     table, targets = bench.summarize([row, row, row])
-    assert "| B64 | fused / staged | 50.0 | 48.0 | 40.0 | 9.0 | 4000 | 60% / 80% |" in table
+    assert "| B64 | fused / staged | 50.0 | 48.0 / 45.0 | 40.0 | 11.0 / 9.0 | 4000 | 60% / 80% |" in table
     assert all(targets.values())
     table, targets = bench.summarize([row, row])  # a run cut short: no verdicts yet
     assert table.count("| B64 |") == 2 and targets == {}
     table, targets = bench.summarize([unstaged, row, unstaged])
-    assert "60% / n/a" in table
-    assert targets == {"B64 bf16 >= 80% copy BW": False, "B1 V151936 graph <= 10 us": False,
+    assert "60% / n/a" in table and "| n/a / n/a |" in table
+    assert targets == {"B64 bf16 >= 80% copy BW": False, "B1 V151936 graph <= 10 us per step (1 or 10 steps per replay)": False,
                        ">= 5x eager everywhere": False}
+    # The B1 verdict takes the best graph time, one or several steps per replay.
+    _, targets = bench.summarize([row, row, dict(unstaged, graph_steps_us=9.5)])
+    assert targets["B1 V151936 graph <= 10 us per step (1 or 10 steps per replay)"]
     # Forced vocabulary splits get a second table; a diagnostic row (no eager baseline) prints n/a
     # and stays out of the "everywhere" verdict.
-    split = dict(row, split_variants={"8": dict(path="split", eager_us=30.0, graph_us=29.5)})
+    split = dict(row, split_variants={"8": dict(path="split", eager_us=30.0, graph_us=29.5, graph_steps_us=25.0)})
     diagnostic = dict(row, shape="B64 greedy [diagnostic]", torch_eager_us=None, speedup_vs_eager=None)
     table, targets = bench.summarize([split, row, row, diagnostic])
-    assert "| B64 | fused 50.0 / 48.0 | split 30.0 / 29.5 |" in table and "| B64 | fused 50.0 / 48.0 | n/a |" in table
+    assert "| B64 | fused 50.0 / 48.0 / 45.0 | split 30.0 / 29.5 / 25.0 |" in table
+    assert "| B64 | fused 50.0 / 48.0 / 45.0 | n/a |" in table
     assert "| B64 greedy [diagnostic] | fused / staged |" in table and table.count("| n/a | n/a | n/a |") == 1
     assert all(targets.values())
 
