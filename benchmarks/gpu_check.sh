@@ -13,7 +13,10 @@
 #      memory, sm_90), after step 2 so that a fault there cannot spoil step 2's results;
 #   4. the kernel benchmark (benchmarks/bench_accept_cuda.py): one table per shape with us, GB/s,
 #      % of the D2D copy bandwidth (default and staged path) and the speed-ups over eager PyTorch
-#      and torch.compile;
+#      and torch.compile; then the torch-free step timer and phase tracer (benchmarks/
+#      accept_trace.cu, built by benchmarks/build_accept_trace.sh in the background during steps
+#      2-4 unless carried): per shape a step's time eager, in a one-step graph and per step of a
+#      multi-step graph, and where inside the kernels a step's time goes;
 #   5. decoding with CUDA graphs (benchmarks/bench_decode_graphs.py): tokens/s eager vs graphs on a
 #      first call (captures) and on later calls (graphs reused), random-weight models of the
 #      Qwen2.5-Coder 1.5B / 0.5B shapes, batch 1 and 8, AR and SD, and against HF at batch 1;
@@ -28,7 +31,9 @@
 #   PYTHON=/venv/bin/python bash benchmarks/gpu_check.sh --prebuild
 #       # builds here with the GPU machine's torch and Python (no GPU needed) and writes a stamp;
 #       # carry fsd_ext/_C.cpython-*.so and build/gpu_prebuilt.stamp and step 1 skips the build
-#       # (a build for sm_90 runs on the H200 whatever TORCH_CUDA_ARCH_LIST says there)
+#       # (a build for sm_90 runs on the H200 whatever TORCH_CUDA_ARCH_LIST says there);
+#       # it also builds build/accept_trace/accept_{timing,trace} and their stamp: carry
+#       # build/accept_trace/accept_timing, build/accept_trace/accept_trace, build/accept_trace/stamp
 #
 # What comes back from $OUT is limited (the device tool returns at most 8 files), so $OUT holds
 # gpu_check.tgz (every log, junit XML and benchmark JSON, re-packed after each step, so a kill
@@ -59,7 +64,8 @@ note() { echo "=== $*" | tee -a "$WORK/summary.txt"; }
 pack() {  # the archive and the summaries into $OUT (after every step)
   tar czf "$OUT/gpu_check.tgz" -C "$WORK" . 2>/dev/null || true
   cp "$WORK/summary.txt" "$OUT/summary.txt" 2>/dev/null || true
-  cp "$WORK"/bench_accept_cuda.md "$WORK"/bench_decode_graphs.md "$WORK"/ncu_summary.txt "$OUT/" 2>/dev/null || true
+  cp "$WORK"/bench_accept_cuda.md "$WORK"/bench_decode_graphs.md "$WORK"/ncu_summary.txt \
+    "$WORK"/accept_timing.md "$WORK"/accept_trace.md "$OUT/" 2>/dev/null || true
 }
 # Every step's time limit is its own cap or what is left of DEADLINE seconds, whichever is less, so
 # the whole script stays under the device's 10-minute command limit. SIGINT first: pytest then
@@ -94,6 +100,13 @@ source_stamp() {
     cat setup.py; find csrc -type f | LC_ALL=C sort | xargs cat; } | sha256sum | cut -d' ' -f1
 }
 skipped() { [[ " ${GPU_CHECK_SKIP:-} " == *" $1 "* ]]; }
+# The torch-free harness (benchmarks/accept_trace.cu) has its own stamp: the kernels and the harness.
+HARNESS="$ROOT/build/accept_trace"
+harness_stamp() { { cat benchmarks/accept_trace.cu benchmarks/build_accept_trace.sh; find csrc/fsd -type f | LC_ALL=C sort | xargs cat; } | sha256sum | cut -d' ' -f1; }
+harness_ready() { [[ -x "$HARNESS/accept_timing" && -x "$HARNESS/accept_trace" && -f "$HARNESS/stamp" && "$(cat "$HARNESS/stamp")" == "$(harness_stamp)" ]]; }
+build_harness() {  # (its log: $1)
+  if FSD_CUDA_ARCHS=90 OUT_DIR="$HARNESS" bash benchmarks/build_accept_trace.sh >"$1" 2>&1; then harness_stamp >"$HARNESS/stamp"; fi
+}
 PYTEST_OPTS=(-q -p no:cacheprovider -rfE --durations=10)
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then PYTEST_OPTS+=(--timeout=60); fi  # names a hung test
 
@@ -117,8 +130,16 @@ fi
 if [[ "${1:-}" == "--prebuild" ]]; then
   source_stamp >"$STAMP"
   note "stamp written: $STAMP (built for TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST)"
-  exit 0
+  if harness_ready; then note "step timer and phase tracer: up to date ($HARNESS)"; exit 0; fi
+  step "step timer and phase tracer (benchmarks/build_accept_trace.sh, sm_90)"
+  build_harness "$WORK/build_harness.log"
+  if harness_ready; then note "built: $HARNESS/accept_timing, $HARNESS/accept_trace, stamp"; exit 0; fi
+  tail -n 40 "$WORK/build_harness.log"
+  exit 1
 fi
+# In the background unless carried: the torch-free step timer and phase tracer (step 4 runs them).
+harness_pid=""
+if ! harness_ready; then (build_harness "$WORK/build_harness.log"; touch "$WORK/harness.done") & harness_pid=$!; fi
 # In the background: the CPU kernels' sources with this machine's C++ compiler (framework-free, so
 # no torch headers; the flags of setup.py that matter to code generation).
 CXX_BIN="${CXX:-$(command -v c++ || command -v g++ || echo c++)}"
@@ -161,6 +182,23 @@ limited 140 "$PY" benchmarks/bench_accept_cuda.py --out "$WORK" --budget-s 80 ${
   2>&1 | tee "$WORK/bench.log" || rc=$?
 grep -E "^target " "$WORK/bench.log" >>"$WORK/summary.txt" || true
 check "kernel benchmark" "$rc" "$WORK/bench.log" || true
+
+step "step times and phase trace (build/accept_trace/accept_timing, accept_trace: no torch)"
+if [[ -n "$harness_pid" ]]; then  # still building: wait up to 2 minutes
+  for ((i = 0; i < 120 && $(left) > 60; i++)); do [[ -f "$WORK/harness.done" ]] && break; sleep 1; done
+fi
+if harness_ready; then
+  rc=0
+  { limited 60 "$HARNESS/accept_timing" --steps 10 --splits 8,32 >"$WORK/accept_timing.md" &&
+    limited 60 "$HARNESS/accept_trace" >"$WORK/accept_trace.md"; } 2>"$WORK/accept_harness.log" || rc=$?
+  head -n 20 "$WORK/accept_timing.md"
+  check "step timer and phase tracer" "$rc" "$WORK/accept_harness.log" || true
+else
+  note "step timer and phase tracer: not built (build_harness.log)"
+  tail -n 20 "$WORK/build_harness.log" 2>/dev/null || true
+  status=1
+  pack
+fi
 
 step "the CPU kernels' sources with this machine's C++ compiler ($CXX_BIN)"
 wait "$cxx_pid" || true
