@@ -7,8 +7,9 @@ staged path
 (FSD_EXT_CUDA_STAGED=1: thread-block clusters, logits read once), and compares with:
   - the bandwidth of a device-to-device copy measured in the same run (the roof: the kernels must
     read both logits tensors at least once; GB/s counts those bytes only);
-  - an eager PyTorch implementation of the same step on the GPU (softmax, divergence, decision,
-    residual inverse-CDF sample; float32, probabilities materialised), and torch.compile of it.
+  - an eager PyTorch implementation of the same step on the GPU (the shape's rule, divergence and
+    top-p filter: softmax, divergence, decision, residual inverse-CDF sample; float32,
+    probabilities materialised), and torch.compile of it.
 
 Prints one table; with --out DIR also writes bench_accept_cuda.json and bench_accept_cuda.md.
 Times are medians of CUDA-event measurements; never run it without a GPU.
@@ -69,28 +70,56 @@ def copy_bandwidth_gbs() -> float:
     return 2 * src.numel() / (us * 1e-6) / 1e9
 
 
-def torch_step(target, draft, tokens, coins, uniforms, threshold: float):
-    """The fsd/js step in plain PyTorch (temperature 1, no filters), probabilities materialised."""
+def torch_step(target, draft, tokens, coins, uniforms, threshold: float, rule: str = "fsd", divergence: str = "js",
+               top_p=None):
+    """The shape's step in plain PyTorch, as one would write it: float32, probabilities materialised,
+    temperature and div_temperature 1 (the divergence on the unfiltered distributions, acceptance
+    and sampling on the top-p-filtered ones), rule fsd or sd, divergence js or kl. Returns
+    (num_accepted [B], correction / bonus token [B], divergences [B, K] or None); checked against
+    fsd_ext.reference on the CPU (tests/test_cuda_build.py)."""
     k = draft.shape[1]
-    logp = target.float().log_softmax(-1)  # [B, K+1, V]
-    logq = draft.float().log_softmax(-1)   # [B, K, V]
+    zt, zd = target.float(), draft.float()
+    logp, logq = zt.log_softmax(-1), zd.log_softmax(-1)  # [B, K+1, V], [B, K, V]
+    div = None
+    if rule == "fsd":
+        if divergence == "kl":
+            div = torch.where(logp[:, :k] > -float("inf"), logp[:, :k].exp() * (logp[:, :k] - logq), 0.0).sum(-1)
+        else:  # js
+            p_k, q = logp[:, :k].exp(), logq.exp()
+            log_m = (0.5 * (p_k + q)).clamp_min(1e-38).log()
+            div = 0.5 * (torch.where(p_k > 0, p_k * (logp[:, :k] - log_m), 0.0)
+                         + torch.where(q > 0, q * (logq - log_m), 0.0)).sum(-1)  # [B, K]
+    if top_p is not None and top_p < 1.0:
+        logp, logq = top_p_filter(zt, top_p).log_softmax(-1), top_p_filter(zd, top_p).log_softmax(-1)
     p, q = logp.exp(), logq.exp()
-    m = 0.5 * (p[:, :k] + q)
-    log_m = m.clamp_min(1e-38).log()
-    js = 0.5 * (torch.where(p[:, :k] > 0, p[:, :k] * (logp[:, :k] - log_m), 0.0)
-                + torch.where(q > 0, q * (logq - log_m), 0.0)).sum(-1)  # [B, K]
     p_tok = p[:, :k].gather(-1, tokens[..., None])[..., 0]
     q_tok = q.gather(-1, tokens[..., None])[..., 0]
-    accepted = (js < threshold) | (coins * q_tok <= p_tok)
+    accepted = coins * q_tok <= p_tok
+    if div is not None:
+        accepted = accepted | (div < threshold)
     n_acc = accepted.long().cumprod(1).sum(1)  # [B]
     rows = torch.arange(target.shape[0], device=target.device)
     p_at = p[rows, n_acc]
     q_at = q[rows, n_acc.clamp(max=k - 1)] * (n_acc < k)[:, None]
     resid = (p_at - q_at).clamp_min(0)
-    resid = torch.where(resid.sum(-1, keepdim=True) > 1e-6, resid, p_at)
-    cdf = resid.cumsum(-1)
-    pick = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None]).clamp(max=target.shape[-1] - 1)
-    return n_acc, pick, js
+    weights = torch.where(resid.sum(-1, keepdim=True) > 1e-6, resid, p_at)
+    cdf = weights.cumsum(-1)
+    pick = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]
+    last_positive = torch.where(weights > 0, torch.arange(weights.shape[-1], device=weights.device), -1).amax(-1)
+    pick = torch.where(pick < weights.shape[-1], pick, last_positive)  # u * total rounded past the end
+    return n_acc, pick, div
+
+
+def top_p_filter(logits, top_p: float):
+    """Logits outside the smallest most-probable set of mass >= top_p set to -inf (ties kept)."""
+    ordered = logits.sort(dim=-1, descending=True).values
+    kept = (ordered.softmax(-1).cumsum(-1) < top_p).sum(-1, keepdim=True).clamp(max=logits.shape[-1] - 1)
+    return logits.masked_fill(logits < ordered.gather(-1, kept), float("-inf"))
+
+
+def step_options(extra: dict) -> dict:
+    """torch_step's options for a shape's extra accept kwargs."""
+    return {"rule": extra.get("rule", "fsd"), "divergence": extra.get("divergence", "js"), "top_p": extra.get("top_p")}
 
 
 def launcher_path(call) -> str:
@@ -145,18 +174,21 @@ def capture(call, steps: int) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def compiled_step(args):
-    """(torch.compile of torch_step compiled by one call on args, note). Inductor's split scan (the
-    cumsum over a long row) fails to generate code in some torch versions: then it is compiled
-    again without split reductions, and the note says so."""
+def compiled_step(args, options: dict):
+    """(torch.compile of torch_step(*args, **options) compiled by one call, note). Inductor's split
+    scan (the cumsum over a long row) fails to generate code in some torch versions: then it is
+    compiled again without split reductions, and the note says so."""
+    def step(*a):
+        return torch_step(*a, **options)
+
     try:
-        fn = torch.compile(torch_step, dynamic=False)
+        fn = torch.compile(step, dynamic=False)
         fn(*args)
         return fn, ""
     except Exception as error:  # noqa: BLE001 - the fallback below, reported if it fails too
         print(f"  torch.compile: {type(error).__name__}; compiling again with split_reductions=False")
     torch._dynamo.reset()
-    fn = torch.compile(torch_step, dynamic=False, options={"split_reductions": False})
+    fn = torch.compile(step, dynamic=False, options={"split_reductions": False})
     fn(*args)
     return fn, "split_reductions=False"
 
@@ -195,7 +227,7 @@ def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, staged, splits):
 
     args = (target, draft, tokens, coins, uniforms, 0.3)
     diagnostic = "[diagnostic]" in name
-    ref_us = None if diagnostic else cuda_time_us(lambda: torch_step(*args), iters=5, repeats=3)
+    ref_us = None if diagnostic else cuda_time_us(lambda: torch_step(*args, **step_options(extra)), iters=5, repeats=3)
     default_us = min(eager_us, graph_us, steps_us)
     staged_us = min(staged_eager_us, staged_graph_us, staged_steps_us) if staged_eager_us is not None else None
     best_us = min(t for t in (default_us, staged_us) if t is not None)
@@ -224,7 +256,7 @@ def add_compile_time(result, shape, compile_budget_s):
     args = make_inputs(batch, k, vocab, dtype) + (0.3,)
     try:
         t0 = time.monotonic()
-        compiled, note = compiled_step(args)
+        compiled, note = compiled_step(args, step_options(extra))
         torch.cuda.synchronize()
         result["torch_compile_note"] = note
         if time.monotonic() - t0 < compile_budget_s:

@@ -77,13 +77,52 @@ def test_cuda_compile_script(tmp_path):
     assert "no spills" in result.stdout
 
 
-def test_gpu_benchmark_summary_table():
-    """benchmarks/bench_accept_cuda.py's table and target verdicts (its GPU part cannot run here)."""
+def load_gpu_benchmark():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("bench_accept_cuda", ROOT / "benchmarks" / "bench_accept_cuda.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.parametrize("extra", [{}, {"rule": "sd"}, {"divergence": "kl"}, {"top_p": 0.9}],
+                         ids=["fsd-js", "sd", "fsd-kl", "top_p"])
+def test_gpu_benchmark_eager_step_is_the_reference_step(extra):
+    """The speed-ups over eager PyTorch compare against the same step: benchmarks/bench_accept_cuda.py's
+    torch_step gives the reference's tokens, acceptances and divergences for each shape's options
+    when fed the same uniforms (float32 against float64: no row of these sits on a rounding edge)."""
+    from fsd_ext import reference
+
+    bench = load_gpu_benchmark()
+    batch, k, vocab = 64, 4, 300
+    g = torch.Generator().manual_seed(3)
+    target = torch.randn(batch, k + 1, vocab, generator=g) * 3
+    draft = target[:, :k] + 2 * torch.randn(batch, k, vocab, generator=g)  # js around the threshold
+    tokens = torch.randint(0, vocab, (batch, k), generator=g)
+    coins, uniforms = torch.rand(batch, k, generator=g), torch.rand(batch, generator=g)
+    options = bench.step_options(extra)
+    threshold = 1.3 if options["divergence"] == "kl" else 0.25  # about the median divergence here
+    n_acc, pick, div = bench.torch_step(target, draft, tokens, coins, uniforms, threshold, **options)
+    ref = reference.accept(target, draft, tokens, rule=options["rule"], divergence=options["divergence"],
+                           threshold=threshold, top_p=options["top_p"], coin_uniforms=coins,
+                           sample_uniforms=uniforms[:, None].expand(batch, k + 1), return_divergence=True)
+    assert torch.equal(n_acc, ref.num_accepted)
+    assert 0 < n_acc.float().mean() < k  # acceptances and rejections both happen
+    assert torch.equal(pick, ref.tokens[torch.arange(batch), ref.num_accepted])
+    if options["rule"] == "fsd":
+        torch.testing.assert_close(div, ref.divergence, rtol=1e-4, atol=1e-6)
+    else:
+        assert div is None  # sd: the kernels compute no divergence either
+    # Negative control: the same comparison notices a step that ignores the filter or the rule.
+    wrong = dict(options, top_p=0.5) if options["top_p"] else dict(options, rule="fsd" if options["rule"] == "sd" else "sd")
+    n_wrong, pick_wrong, _ = bench.torch_step(target, draft, tokens, coins, uniforms, threshold, **wrong)
+    assert not (torch.equal(n_wrong, ref.num_accepted) and torch.equal(pick_wrong, pick))
+
+
+def test_gpu_benchmark_summary_table():
+    """benchmarks/bench_accept_cuda.py's table and target verdicts (its GPU part cannot run here)."""
+    bench = load_gpu_benchmark()
     row = dict(shape="B64", path="fused", staged_request_path="staged", eager_us=50.0, graph_us=48.0,
                graph_steps_us=45.0, staged_eager_us=40.0, staged_graph_us=11.0, staged_graph_steps_us=9.0,
                gbs=4000.0, default_pct_copy_bw=60.0,
