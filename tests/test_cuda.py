@@ -418,7 +418,13 @@ def test_fsd_under_threshold_emits_draft_distribution(fops):
 # CUDA graphs and host synchronisation.
 
 def test_graph_capture_and_replay_fresh_randomness(fops):
-    target, draft, tokens, _ = make_case(32, 4, 4096, dtype=torch.bfloat16, seed=13, noise=2.0)
+    check_graph_replay(fops, batch=32, vocab=4096)
+
+
+def check_graph_replay(fops, batch, vocab):
+    """accept captured once in a CUDA graph: replays with a device offset bumped in between draw
+    fresh tokens and match eager calls."""
+    target, draft, tokens, _ = make_case(batch, 4, vocab, dtype=torch.bfloat16, seed=13, noise=2.0)
     target, draft, tokens = target.cuda(), draft.cuda(), tokens.cuda()
     seed = torch.tensor(77, dtype=torch.int64, device="cuda")
     offset = torch.zeros(1, dtype=torch.int64, device="cuda")
@@ -473,8 +479,8 @@ def staged(monkeypatch):
     return monkeypatch
 
 
-def accept_path(fops, capfd, *args, **kwargs):
-    """The path the CUDA launcher took for one accept call (it logs it with FSD_EXT_CUDA_LOG=1)."""
+def launch_log(fops, capfd, *args, **kwargs):
+    """The CUDA launcher's log line (FSD_EXT_CUDA_LOG=1) of one accept call."""
     os.environ["FSD_EXT_CUDA_LOG"] = "1"
     try:
         capfd.readouterr()
@@ -483,9 +489,14 @@ def accept_path(fops, capfd, *args, **kwargs):
         err = capfd.readouterr().err
     finally:
         del os.environ["FSD_EXT_CUDA_LOG"]
-    paths = [line.split("path=")[1].split()[0] for line in err.splitlines() if "fsd_ext.accept cuda:" in line]
-    assert len(paths) == 1, err
-    return paths[0]
+    lines = [line for line in err.splitlines() if "fsd_ext.accept cuda:" in line]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def accept_path(fops, capfd, *args, **kwargs):
+    """The path the CUDA launcher took for one accept call."""
+    return launch_log(fops, capfd, *args, **kwargs).split("path=")[1].split()[0]
 
 
 @pytest.mark.parametrize("dtype,vocab,batch,path", [
@@ -538,6 +549,47 @@ def test_staged_sd_emits_target_distribution(fops, staged, rule):
 
 def test_staged_graph_capture_and_replay(fops, staged):
     test_graph_capture_and_replay_fresh_randomness(fops)
+
+
+# ----------------------------------------------------------------------------------------------
+# Programmatic dependent launch (FSD_EXT_CUDA_PDL=1, sm_90+): the split path's second kernel is
+# launched while the first still runs and waits for it on the GPU. It changes when blocks start,
+# never what they compute: the same tokens as the reference, in and out of a CUDA graph.
+
+@pytest.fixture
+def pdl(monkeypatch):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    monkeypatch.setenv("FSD_EXT_CUDA_STAGED", "0")
+    monkeypatch.setenv("FSD_EXT_CUDA_PDL", "1")
+    return monkeypatch
+
+
+def test_pdl_only_on_the_split_path(fops, pdl, capfd):
+    target, draft, tokens, _ = make_case(2, 5, 151936, dtype=torch.bfloat16, seed=6)
+    target, draft, tokens = target.cuda(), draft.cuda(), tokens.cuda()
+    assert "path=split" in (line := launch_log(fops, capfd, target, draft, tokens, seed=1)) and "pdl=1" in line
+    pdl.setenv("FSD_EXT_CUDA_PDL", "0")
+    assert "pdl=0" in launch_log(fops, capfd, target, draft, tokens, seed=1)
+    pdl.setenv("FSD_EXT_CUDA_PDL", "1")
+    small = make_case(4, 3, 1000, seed=2)  # one chunk per position: one fused launch
+    assert "pdl=0" in launch_log(fops, capfd, small[0].cuda(), small[1].cuda(), small[2].cuda(), seed=1)
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pdl_split_path_matches_reference(fops, pdl, rule, dtype):
+    test_split_vocab_path_matches_reference(fops, rule, dtype)
+
+
+def test_pdl_big_vocab_and_many_chunks(fops, pdl):
+    test_accept_big_vocab_split_path(fops, 151936)
+    pdl.setenv("FSD_EXT_CUDA_SPLITS", "64")  # many blocks per row: kernel 2 launches during kernel 1
+    test_accept_big_vocab_split_path(fops, 262144)
+
+
+def test_pdl_graph_capture_and_replay(fops, pdl):
+    check_graph_replay(fops, batch=3, vocab=50001)  # the split path
 
 
 # ----------------------------------------------------------------------------------------------

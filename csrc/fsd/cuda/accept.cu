@@ -38,6 +38,19 @@ bool staged_path_requested() {
   return flag != nullptr && flag[0] == '1' && flag[1] == '\0' && compute_capability_major() >= 9;
 }
 
+// FSD_EXT_CUDA_PDL=1 (read on every call): the split path launches its second kernel by
+// programmatic dependent launch (sm_90+; accept.cuh). Opt-in until a GPU run has measured it.
+bool dependent_launch_requested(DType dtype) {
+  const char* flag = std::getenv("FSD_EXT_CUDA_PDL");
+  if (flag == nullptr || flag[0] != '1' || flag[1] != '\0' || compute_capability_major() < 9) return false;
+  switch (dtype) {
+    case DType::Float32: return decide_kernel_waits<float>();
+    case DType::BFloat16: return decide_kernel_waits<BFloat16>();
+    case DType::Float16: return decide_kernel_waits<Float16>();
+  }
+  return false;
+}
+
 // FSD_EXT_CUDA_SPLITS=n (benchmarks and tests, read on every call): the unstaged, unfiltered paths
 // cut each vocabulary row into n chunks (fewer where chunks would drop below kMinChunk ids), instead
 // of the planner's choice; 0 when unset or not a positive integer.
@@ -110,6 +123,7 @@ AcceptPlan plan_accept(const AcceptProblem& pb) {
     const int64_t granule = 2048;
     plan.chunk = ((pb.target_vocab + plan.splits - 1) / plan.splits + granule - 1) / granule * granule;
     plan.splits = (pb.target_vocab + plan.chunk - 1) / plan.chunk;
+    plan.dependent_launch = plan.splits > 1 && dependent_launch_requested(pb.dtype);
   }
   const size_t rows = (size_t)pb.batch, pos = (size_t)positions, splits = (size_t)plan.splits;
   plan.stats = 0;
@@ -133,8 +147,8 @@ cudaError_t launch_accept(const AcceptProblem& problem, void* workspace, size_t 
   if (const char* log = std::getenv("FSD_EXT_CUDA_LOG"); log != nullptr && log[0] == '1') {
     // Which path a call takes (tests and benchmarks check it without a profiler).
     const char* path = plan.staged ? "staged" : plan.splits > 1 ? "split" : plan.filtered ? "fused-filtered" : "fused";
-    std::fprintf(stderr, "fsd_ext.accept cuda: path=%s splits=%lld chunk=%lld stage_bytes=%zu\n", path,
-                 (long long)plan.splits, (long long)plan.chunk, plan.stage_bytes);
+    std::fprintf(stderr, "fsd_ext.accept cuda: path=%s splits=%lld chunk=%lld stage_bytes=%zu pdl=%d\n", path,
+                 (long long)plan.splits, (long long)plan.chunk, plan.stage_bytes, (int)plan.dependent_launch);
   }
   char* base = static_cast<char*>(workspace);
   switch (problem.dtype) {

@@ -574,9 +574,26 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
   FSD_TRACE(pb, kTraceFinishEnd);
 }
 
+// Programmatic dependent launch (sm_90+, opt-in: FSD_EXT_CUDA_PDL=1, see accept.cu). The split
+// path's decision kernel may then be launched once every statistics block has started, so its
+// blocks are resident when the statistics grid ends instead of a launch latency later; it waits for
+// the whole statistics grid (its memory included) before reading anything. Without such a launch
+// both instructions do nothing.
+__device__ __forceinline__ void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_primary_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // Split path (splits > 1), second launch.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, 2) accept_decide_kernel(const AcceptProblem pb, const AcceptWorkspace ws) {
+  wait_for_primary_grid();  // first: everything below reads the statistics kernel's results
   const int64_t positions = pb.max_draft + 1, splits = ws.splits;
   const int64_t c = blockIdx.x % splits, i = (blockIdx.x / splits) % positions, b = blockIdx.x / (splits * positions);
   __shared__ DecideShared sh;
@@ -588,6 +605,7 @@ template <typename T, bool kFiltered, bool kFused>
 __global__ void __launch_bounds__(kThreads, kFused ? 2 : 4) accept_stats_kernel(const AcceptProblem pb, const AcceptWorkspace ws) {
   const int64_t k = pb.max_draft, positions = k + 1, splits = ws.splits;
   const int64_t c = blockIdx.x % splits, i = (blockIdx.x / splits) % positions, b = blockIdx.x / (splits * positions);
+  if constexpr (!kFused) allow_dependent_launch();  // (it changes nothing about what kernel 2 sees)
   // Split path: kernel 2 counts finished blocks from 0 (fused path: the launcher zeroes them).
   if (!kFused && c == 0 && i == 0 && threadIdx.x == 0) ws.counters[b] = 0;
   FSD_TRACE(pb, kTraceStatsBegin);

@@ -25,6 +25,7 @@ struct AcceptPlan {
   bool filtered = false;
   bool staged = false;
   size_t stage_bytes = 0;  // dynamic shared memory per block of the staged kernel
+  bool dependent_launch = false;  // split path: kernel 2 by programmatic dependent launch
   int64_t splits = 1, chunk = 0;
   size_t stats = 0, filters = 0, positions = 0, pass_two = 0, counters = 0, total = 0;
 };
@@ -37,6 +38,11 @@ cudaError_t launch_accept_typed(const AcceptProblem& pb, const AcceptPlan& plan,
 // resident on the current device (cached per device, cluster size and size).
 template <typename T>
 bool staged_cluster_fits(int64_t cluster, size_t bytes);
+
+// Whether the split path's decision kernel, as the current device runs it, waits for the statistics
+// grid (griddepcontrol.wait): only then may it be launched by programmatic dependent launch.
+template <typename T>
+bool decide_kernel_waits();
 
 }  // namespace cuda
 }  // namespace fsd

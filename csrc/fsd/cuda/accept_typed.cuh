@@ -66,6 +66,27 @@ bool staged_cluster_fits(int64_t cluster, size_t bytes) {
   return fits;
 }
 
+// The wait exists only in code compiled for sm_90 or newer: sm_80 PTX that the driver compiled for
+// this device has none, and launched early it would read the statistics before they are written.
+// Asked once per device and dtype.
+template <typename T>
+bool decide_kernel_waits() {
+  static thread_local int8_t cached[64] = {0};  // 0: not asked, 1: no, 2: yes
+  int device = 0;
+  // As in staged_cluster_fits: an error already pending belongs to the caller.
+  if (cudaPeekAtLastError() != cudaSuccess || cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64)
+    return false;
+  if (cached[device] == 0) {
+    cudaFuncAttributes attributes;
+    if (cudaFuncGetAttributes(&attributes, accept_decide_kernel<T>) != cudaSuccess) {
+      (void)cudaGetLastError();  // our failed query: ask again next time
+      return false;
+    }
+    cached[device] = attributes.ptxVersion >= 90 && attributes.binaryVersion >= 90 ? 2 : 1;
+  }
+  return cached[device] == 2;
+}
+
 template <typename T>
 cudaError_t launch_accept_typed(const AcceptProblem& pb, const AcceptPlan& plan, char* base, cudaStream_t stream) {
   AcceptWorkspace ws;
@@ -92,8 +113,21 @@ cudaError_t launch_accept_typed(const AcceptProblem& pb, const AcceptPlan& plan,
   } else {
     accept_stats_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(pb, ws);
     FSD_CUDA_CHECK(cudaGetLastError());
-    accept_decide_kernel<T><<<grid, kThreads, 0, stream>>>(pb, ws);
-    FSD_CUDA_CHECK(cudaGetLastError());
+    if (plan.dependent_launch) {
+      cudaLaunchConfig_t config = {};
+      config.gridDim = dim3(grid);
+      config.blockDim = dim3(kThreads);
+      config.stream = stream;
+      cudaLaunchAttribute attribute;
+      attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attribute.val.programmaticStreamSerializationAllowed = 1;
+      config.attrs = &attribute;
+      config.numAttrs = 1;
+      FSD_CUDA_CHECK(cudaLaunchKernelEx(&config, accept_decide_kernel<T>, pb, ws));
+    } else {
+      accept_decide_kernel<T><<<grid, kThreads, 0, stream>>>(pb, ws);
+      FSD_CUDA_CHECK(cudaGetLastError());
+    }
   }
   return cudaSuccess;
 }
