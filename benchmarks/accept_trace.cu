@@ -11,11 +11,12 @@
 //                  reached (first / median / last block, from the global timer) and how long each
 //                  phase takes inside a block (SM clock cycles, converted at the measured clock).
 //
-//   build/accept_timing [--steps 10] [--replays 20] [--repeats 5] [--only SUBSTRING] [--splits 8,32]
-//   build/accept_trace  [--only SUBSTRING] [--splits 8,32]
+//   build/accept_timing [--steps 10] [--replays 20] [--repeats 5] [--only SUBSTRING] [--env A=1,B=2]...
+//   build/accept_trace  [--only SUBSTRING] [--env A=1,B=2]...
 //
-// --splits also runs each unfiltered shape with FSD_EXT_CUDA_SPLITS=n (the launcher reads it on
-// every call). Markdown on stdout. Needs a GPU; without one it says so and exits with status 2.
+// Each --env runs every unfiltered shape once more with those launcher switches set (the launcher
+// reads them on every call: FSD_EXT_CUDA_SPLITS=n, FSD_EXT_CUDA_PDL=1, FSD_EXT_CUDA_STAGED=1).
+// Markdown on stdout. Needs a GPU; without one it says so and exits with status 2.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -24,6 +25,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <map>
 #include <string>
 #include <utility>
@@ -178,11 +180,16 @@ double median(std::vector<double> v) {
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
+// A set of launcher switches, e.g. {{"FSD_EXT_CUDA_SPLITS", "8"}, {"FSD_EXT_CUDA_PDL", "1"}}.
+using Switches = std::vector<std::pair<std::string, std::string>>;
+
 struct Options {
   int steps = 10, replays = 20, repeats = 5;
   std::string only;
-  std::vector<int> splits;
+  std::vector<Switches> variants;
 };
+
+const char* const kSwitchNames[] = {"FSD_EXT_CUDA_SPLITS", "FSD_EXT_CUDA_PDL", "FSD_EXT_CUDA_STAGED"};
 
 #ifndef FSD_CUDA_TRACE
 // Microseconds per step of `step` run `calls` times per measurement (median of repeats).
@@ -325,16 +332,32 @@ void run_trace(Case& c, const std::string& label, cudaStream_t stream) {
 }
 #endif
 
-std::vector<int> parse_list(const char* text) {
-  std::vector<int> out;
-  for (const char* p = text; *p;) {
-    char* end = nullptr;
-    const long v = std::strtol(p, &end, 10);
-    if (end == p) break;
-    if (v > 0) out.push_back((int)v);
-    p = *end == ',' ? end + 1 : end;
+// "A=1,B=2" -> {{A, 1}, {B, 2}}; false on an entry without '=' or a name the launcher does not read.
+bool parse_switches(const std::string& text, Switches& out) {
+  size_t from = 0;
+  while (from <= text.size()) {
+    const size_t comma = std::min(text.find(',', from), text.size());
+    const std::string entry = text.substr(from, comma - from);
+    const size_t eq = entry.find('=');
+    if (eq == std::string::npos) return false;
+    const std::string name = entry.substr(0, eq);
+    if (std::none_of(std::begin(kSwitchNames), std::end(kSwitchNames), [&](const char* n) { return name == n; }))
+      return false;
+    out.emplace_back(name, entry.substr(eq + 1));
+    from = comma + 1;
   }
-  return out;
+  return !out.empty();
+}
+
+// Sets `switches` and clears every other launcher switch; returns the label suffix (" A=1 B=2").
+std::string apply_switches(const Switches& switches) {
+  for (const char* name : kSwitchNames) unsetenv(name);
+  std::string label;
+  for (const auto& [name, value] : switches) {
+    setenv(name.c_str(), value.c_str(), 1);
+    label += " " + name.substr(std::strlen("FSD_EXT_CUDA_")) + "=" + value;
+  }
+  return label;
 }
 
 }  // namespace
@@ -352,8 +375,15 @@ int main(int argc, char** argv) {
     else if (arg == "--replays") o.replays = std::max(1, std::atoi(value));
     else if (arg == "--repeats") o.repeats = std::max(1, std::atoi(value));
     else if (arg == "--only") o.only = value;
-    else if (arg == "--splits") o.splits = parse_list(value);
-    else {
+    else if (arg == "--env") {
+      Switches switches;
+      if (!parse_switches(value, switches)) {
+        std::fprintf(stderr, "--env wants NAME=VALUE[,NAME=VALUE...] with names among FSD_EXT_CUDA_SPLITS, "
+                             "FSD_EXT_CUDA_PDL, FSD_EXT_CUDA_STAGED; got %s\n", value);
+        return 1;
+      }
+      o.variants.push_back(switches);
+    } else {
       std::fprintf(stderr, "unknown argument %s\n", arg.c_str());
       return 1;
     }
@@ -379,24 +409,18 @@ int main(int argc, char** argv) {
   for (const Shape& s : kShapes) {
     if (!o.only.empty() && std::string(s.name).find(o.only) == std::string::npos) continue;
     Case c(s);
-    std::vector<int> variants = {0};  // 0: the planner's choice
-    if (s.top_p >= 1.0f) variants.insert(variants.end(), o.splits.begin(), o.splits.end());
-    for (int splits : variants) {
-      std::string label = s.name;
-      if (splits > 0) {
-        setenv("FSD_EXT_CUDA_SPLITS", std::to_string(splits).c_str(), 1);
-        label += " splits=" + std::to_string(splits);
-      } else {
-        unsetenv("FSD_EXT_CUDA_SPLITS");
-      }
-      c.plan();
+    std::vector<Switches> variants = {{}};  // first the planner's choice, no switch set
+    if (s.top_p >= 1.0f) variants.insert(variants.end(), o.variants.begin(), o.variants.end());
+    for (const Switches& switches : variants) {
+      const std::string label = s.name + apply_switches(switches);
+      c.plan();  // (the workspace depends on the chunks)
 #ifdef FSD_CUDA_TRACE
       run_trace(c, label, stream);
 #else
       run_timing(c, label, o, stream);
 #endif
     }
-    unsetenv("FSD_EXT_CUDA_SPLITS");
+    apply_switches({});
     CHECK(cudaStreamSynchronize(stream));
   }
   CHECK(cudaStreamDestroy(stream));

@@ -204,8 +204,9 @@ def make_inputs(batch, k, vocab, dtype):
     return target, draft, tokens, coins, uniforms
 
 
-def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, staged, splits):
-    """The kernels' times on one shape (planner, staged, forced splits) and the eager step's."""
+def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, staged, variants):
+    """The kernels' times on one shape (planner, staged, the launcher switch `variants`, e.g.
+    ["SPLITS=8", "PDL=1"]) and the eager step's."""
     target, draft, tokens, coins, uniforms = make_inputs(batch, k, vocab, dtype)
     seed = torch.tensor(1, dtype=torch.int64, device="cuda")
     offset = torch.zeros(1, dtype=torch.int64, device="cuda")
@@ -218,12 +219,15 @@ def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, staged, splits):
     if staged and "top_p" not in extra:  # filters need whole-row selections: never staged
         staged_eager_us, staged_graph_us, staged_steps_us, staged_path = time_accept(
             target, draft, tokens, kw, {"FSD_EXT_CUDA_STAGED": "1"})
-    # Other vocabulary splits than the planner's (FSD_EXT_CUDA_SPLITS), for the planner's tuning.
-    split_variants = {}
+    # Launcher switches against the planner's choice: other vocabulary splits (FSD_EXT_CUDA_SPLITS),
+    # programmatic dependent launch (FSD_EXT_CUDA_PDL).
+    switch_variants = {}
     if "top_p" not in extra:
-        for n in splits:
-            e, gr, st, p = time_accept(target, draft, tokens, kw, {"FSD_EXT_CUDA_STAGED": "0", "FSD_EXT_CUDA_SPLITS": str(n)})
-            split_variants[str(n)] = {"eager_us": e, "graph_us": gr, "graph_steps_us": st, "path": p}
+        for variant in variants:
+            switch, value = variant.split("=", 1)
+            env = {"FSD_EXT_CUDA_STAGED": "0", f"FSD_EXT_CUDA_{switch}": value}
+            e, gr, st, p = time_accept(target, draft, tokens, kw, env)
+            switch_variants[variant] = {"eager_us": e, "graph_us": gr, "graph_steps_us": st, "path": p}
 
     args = (target, draft, tokens, coins, uniforms, 0.3)
     diagnostic = "[diagnostic]" in name
@@ -240,7 +244,7 @@ def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, staged, splits):
         "staged_eager_us": staged_eager_us, "staged_graph_us": staged_graph_us, "staged_graph_steps_us": staged_steps_us,
         "staged_pct_copy_bw": pct(staged_us) if staged_us else None,
         "default_pct_copy_bw": pct(default_us),
-        "split_variants": split_variants,
+        "switch_variants": switch_variants,
         "best_us": best_us, "gbs": gbs,
         "pct_copy_bw": 100.0 * gbs / copy_gbs, "torch_eager_us": ref_us, "torch_compile_us": None,
         "torch_compile_note": "not run",
@@ -288,16 +292,16 @@ def summarize(results):
                      f"{r['default_pct_copy_bw']:.0f}% / {fmt(r['staged_pct_copy_bw'], '.0f%')} | "
                      f"{fmt(r['torch_eager_us'])} | {fmt(r['torch_compile_us'])} | {fmt(r['speedup_vs_eager'])} | "
                      f"{fmt(r['speedup_vs_compile'])} |")
-    variants = sorted({n for r in results for n in r.get("split_variants", {})}, key=int)
+    variants = list(dict.fromkeys(n for r in results for n in r.get("switch_variants", {})))
     def times(r):  # "eager / graph / graph of GRAPH_STEPS steps" us
         return f"{r['eager_us']:.1f} / {r['graph_us']:.1f} / {r['graph_steps_us']:.1f}"
 
-    if variants:  # the planner's split against others (the path taken and its times)
+    if variants:  # the planner's choice against launcher switches (the path taken and its times)
         lines += ["", f"| shape | planner: path, eager / graph / graph of {GRAPH_STEPS} us | "
-                  + " | ".join(f"FSD_EXT_CUDA_SPLITS={n}" for n in variants) + " |",
+                  + " | ".join(f"FSD_EXT_CUDA_{n}" for n in variants) + " |",
                   "|" + "---|" * (2 + len(variants))]
         for r in results:
-            cells = [f"{v['path']} {times(v)}" if (v := r.get("split_variants", {}).get(n)) else "n/a" for n in variants]
+            cells = [f"{v['path']} {times(v)}" if (v := r.get("switch_variants", {}).get(n)) else "n/a" for n in variants]
             lines.append(f"| {r['shape']} | {r['path']} {times(r)} | " + " | ".join(cells) + " |")
     if len(results) < 3:  # a run cut short: the targets need the first three shapes
         return "\n".join(lines), {}
@@ -319,8 +323,9 @@ def main():
                         help="start no torch.compile after this many seconds (compiles run after every kernel time)")
     parser.add_argument("--compile-budget-s", type=float, default=60.0, help="skip compile results slower than this")
     parser.add_argument("--no-staged", action="store_true", help="skip the staged path (FSD_EXT_CUDA_STAGED=1)")
-    parser.add_argument("--splits", default="1,8,32",
-                        help="also time these vocabulary splits (FSD_EXT_CUDA_SPLITS), comma-separated; '' for none")
+    parser.add_argument("--variants", default="SPLITS=1,SPLITS=8,SPLITS=32,PDL=1",
+                        help="also time with these launcher switches (FSD_EXT_CUDA_<NAME>=<VALUE>), comma-separated; "
+                             "'' for none")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a GPU"
     deadline = time.monotonic() + args.budget_s
@@ -328,10 +333,13 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"D2D copy bandwidth: {copy_gbs:.0f} GB/s")
     staged = not args.no_staged and torch.cuda.get_device_capability()[0] >= 9
-    splits = [int(n) for n in args.splits.split(",") if n.strip()]
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in variants:
+        if v.split("=")[0] not in ("SPLITS", "PDL") or "=" not in v:
+            parser.error(f"--variants: {v!r} is not SPLITS=n or PDL=0/1")
     results = []
     for shape in SHAPES:
-        results.append(bench_shape(*shape, copy_gbs, staged, splits))
+        results.append(bench_shape(*shape, copy_gbs, staged, variants))
         r = results[-1]
         speedup = f"{r['speedup_vs_eager']:.1f}x eager" if r["speedup_vs_eager"] else "no eager baseline"
         print(f"  done {r['shape']}: best {r['best_us']:.1f} us ({r['pct_copy_bw']:.0f}% of copy BW, {speedup})",

@@ -6,11 +6,12 @@
 #      H200 image sets 9.0a) unless a prebuilt one is carried (below), and calls accept once on the
 #      GPU; meanwhile, in the background, the CPU kernels' sources are compiled with this machine's
 #      C++ compiler (the image's GCC 13 once failed on them while CI's GCC 12 did not);
-#   2. pytest -m cuda tests/test_cuda.py -k "not staged" (parity CUDA / CPU kernel / reference,
-#      statistics, CUDA graphs, NaN rows, no host sync, generate with CUDA graphs);
-#   3. the staged tests and every test of an unfiltered accept call again with FSD_EXT_CUDA_STAGED=1
-#      (the opt-in staged path: thread-block clusters holding the vocabulary chunks in shared
-#      memory, sm_90), after step 2 so that a fault there cannot spoil step 2's results;
+#   2. pytest -m cuda tests/test_cuda.py -k "not staged and not pdl" (parity CUDA / CPU kernel /
+#      reference, statistics, CUDA graphs, NaN rows, no host sync, generate with CUDA graphs);
+#   3. the opt-in paths, after step 2 so that a fault there cannot spoil step 2's results: the
+#      staged tests and every test of an unfiltered accept call again with FSD_EXT_CUDA_STAGED=1
+#      (thread-block clusters holding the vocabulary chunks in shared memory, sm_90), and the
+#      tests of programmatic dependent launch (FSD_EXT_CUDA_PDL=1: their fixture sets it);
 #   4. the kernel benchmark (benchmarks/bench_accept_cuda.py): one table per shape with us, GB/s,
 #      % of the D2D copy bandwidth (default and staged path) and the speed-ups over eager PyTorch
 #      and torch.compile; then the torch-free step timer and phase tracer (benchmarks/
@@ -58,7 +59,7 @@ start=$SECONDS
 status=0
 # Step 3's selection: the staged tests and every test whose accept calls the staged path can take.
 STAGED_TESTS="staged or accept or split_vocab or greedy_rows or divergence_options or sd_emits or fsd_under"
-STAGED_TESTS+=" or graph_capture or no_host_sync or nan or out_of_range or generate"
+STAGED_TESTS+=" or graph_capture or no_host_sync or nan or out_of_range or generate or pdl"
 step() { echo; echo "=== [$((SECONDS - start))s] $*" | tee -a "$WORK/summary.txt"; }
 note() { echo "=== $*" | tee -a "$WORK/summary.txt"; }
 pack() {  # the archive and the summaries into $OUT (after every step)
@@ -158,27 +159,34 @@ print("extension loaded; CUDA accept:", ops.accept(x, x[:, :1], torch.zeros(1, 1
 PY
 check "one accept call on the GPU" "$rc" "$WORK/smoke.log" || true
 
-step "tests (pytest -m cuda tests/test_cuda.py -k 'not staged')"
+step "tests (pytest -m cuda tests/test_cuda.py -k 'not staged and not pdl')"
 rc=0
-limited 150 "$PY" -m pytest -m cuda tests/test_cuda.py -k "not staged" "${PYTEST_OPTS[@]}" \
+limited 150 "$PY" -m pytest -m cuda tests/test_cuda.py -k "not staged and not pdl" "${PYTEST_OPTS[@]}" \
   --junitxml="$WORK/test_cuda.xml" >"$WORK/test_cuda.log" 2>&1 || rc=$?
 tail -n 25 "$WORK/test_cuda.log"
 check "CUDA tests" "$rc" "$WORK/test_cuda.log" || true
 
-step "tests, staged path (FSD_EXT_CUDA_STAGED=1 pytest -m cuda tests/test_cuda.py -k '$STAGED_TESTS')"
+step "tests, opt-in paths (FSD_EXT_CUDA_STAGED=1 pytest -m cuda tests/test_cuda.py -k '$STAGED_TESTS')"
 rc=0
 FSD_EXT_CUDA_STAGED=1 limited 100 "$PY" -m pytest -m cuda tests/test_cuda.py -k "$STAGED_TESTS" "${PYTEST_OPTS[@]}" \
   --junitxml="$WORK/test_cuda_staged.xml" >"$WORK/test_cuda_staged.log" 2>&1 || rc=$?
 tail -n 25 "$WORK/test_cuda_staged.log"
-staged_flag=()
-if ! check "CUDA tests, staged path" "$rc" "$WORK/test_cuda_staged.log"; then
-  staged_flag=(--no-staged)
-  note "the staged path failed its tests: benchmarked without it"
+bench_flags=()  # an opt-in path that failed its tests is not benchmarked
+if ! check "CUDA tests, opt-in paths (staged, PDL)" "$rc" "$WORK/test_cuda_staged.log"; then
+  failed=$(grep -E "^(FAILED|ERROR) " "$WORK/test_cuda_staged.log" || true)
+  if [[ -z "$failed" ]] || grep -vq pdl <<<"$failed"; then
+    bench_flags+=(--no-staged)
+    note "the staged path failed its tests (or the run was cut): benchmarked without it"
+  fi
+  if [[ -z "$failed" ]] || grep -q pdl <<<"$failed"; then
+    bench_flags+=(--variants SPLITS=1,SPLITS=8,SPLITS=32)
+    note "programmatic dependent launch failed its tests (or the run was cut): benchmarked without it"
+  fi
 fi
 
 step "benchmark (benchmarks/bench_accept_cuda.py)"
 rc=0
-limited 140 "$PY" benchmarks/bench_accept_cuda.py --out "$WORK" --budget-s 80 ${staged_flag[@]+"${staged_flag[@]}"} \
+limited 140 "$PY" benchmarks/bench_accept_cuda.py --out "$WORK" --budget-s 80 ${bench_flags[@]+"${bench_flags[@]}"} \
   2>&1 | tee "$WORK/bench.log" || rc=$?
 grep -E "^target " "$WORK/bench.log" >>"$WORK/summary.txt" || true
 check "kernel benchmark" "$rc" "$WORK/bench.log" || true
@@ -189,8 +197,9 @@ if [[ -n "$harness_pid" ]]; then  # still building: wait up to 2 minutes
 fi
 if harness_ready; then
   rc=0
-  { limited 60 "$HARNESS/accept_timing" --steps 10 --splits 8,32 >"$WORK/accept_timing.md" &&
-    limited 60 "$HARNESS/accept_trace" >"$WORK/accept_trace.md"; } 2>"$WORK/accept_harness.log" || rc=$?
+  { limited 60 "$HARNESS/accept_timing" --steps 10 --env FSD_EXT_CUDA_SPLITS=8 --env FSD_EXT_CUDA_SPLITS=32 \
+      --env FSD_EXT_CUDA_PDL=1 --env FSD_EXT_CUDA_STAGED=1 >"$WORK/accept_timing.md" &&
+    limited 60 "$HARNESS/accept_trace" --env FSD_EXT_CUDA_PDL=1 >"$WORK/accept_trace.md"; } 2>"$WORK/accept_harness.log" || rc=$?
   head -n 20 "$WORK/accept_timing.md"
   check "step timer and phase tracer" "$rc" "$WORK/accept_harness.log" || true
 else
