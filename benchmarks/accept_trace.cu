@@ -135,6 +135,7 @@ struct Case {
     fill_logits<<<1024, 256>>>(target, draft, s.batch, s.k, s.vocab, s.dtype);
     fill_tokens<<<64, 256>>>(tokens, s.batch * s.k, s.vocab);
     CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());  // (the default stream: the timed stream does not wait for it)
     pb.batch = s.batch;
     pb.max_draft = s.k;
     pb.target_vocab = pb.draft_vocab = s.vocab;
