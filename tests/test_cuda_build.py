@@ -144,10 +144,10 @@ def test_gpu_benchmark_summary_table():
     assert targets["B1 V151936 graph <= 10 us per step (1 or 10 steps per replay)"]
     # Forced vocabulary splits get a second table; a diagnostic row (no eager baseline) prints n/a
     # and stays out of the "everywhere" verdict.
-    split = dict(row, split_variants={"8": dict(path="split", eager_us=30.0, graph_us=29.5, graph_steps_us=25.0)})
+    split = dict(row, switch_variants={"SPLITS=8": dict(path="split", eager_us=30.0, graph_us=29.5, graph_steps_us=25.0)})
     diagnostic = dict(row, shape="B64 greedy [diagnostic]", torch_eager_us=None, speedup_vs_eager=None)
     table, targets = bench.summarize([split, row, row, diagnostic])
-    assert "| B64 | fused 50.0 / 48.0 / 45.0 | split 30.0 / 29.5 / 25.0 |" in table
+    assert "| FSD_EXT_CUDA_SPLITS=8 |" in table and "| B64 | fused 50.0 / 48.0 / 45.0 | split 30.0 / 29.5 / 25.0 |" in table
     assert "| B64 | fused 50.0 / 48.0 / 45.0 | n/a |" in table
     assert "| B64 greedy [diagnostic] | fused / staged |" in table and table.count("| n/a | n/a | n/a |") == 1
     assert all(targets.values())
