@@ -15,7 +15,8 @@
 //   build/accept_trace  [--only SUBSTRING] [--env A=1,B=2]...
 //
 // Each --env runs every unfiltered shape once more with those launcher switches set (the launcher
-// reads them on every call: FSD_EXT_CUDA_SPLITS=n, FSD_EXT_CUDA_PDL=1, FSD_EXT_CUDA_STAGED=1).
+// reads them on every call: FSD_EXT_CUDA_SPLITS=n, FSD_EXT_CUDA_PDL=1, FSD_EXT_CUDA_CLUSTER=1,
+// FSD_EXT_CUDA_STAGED=1).
 // Markdown on stdout. Needs a GPU; without one it says so and exits with status 2.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -190,7 +191,8 @@ struct Options {
   std::vector<Switches> variants;
 };
 
-const char* const kSwitchNames[] = {"FSD_EXT_CUDA_SPLITS", "FSD_EXT_CUDA_PDL", "FSD_EXT_CUDA_STAGED"};
+const char* const kSwitchNames[] = {"FSD_EXT_CUDA_SPLITS", "FSD_EXT_CUDA_PDL", "FSD_EXT_CUDA_CLUSTER",
+                                    "FSD_EXT_CUDA_STAGED"};
 
 #ifndef FSD_CUDA_TRACE
 // Microseconds per step of `step` run `calls` times per measurement (median of repeats).
@@ -380,7 +382,7 @@ int main(int argc, char** argv) {
       Switches switches;
       if (!parse_switches(value, switches)) {
         std::fprintf(stderr, "--env wants NAME=VALUE[,NAME=VALUE...] with names among FSD_EXT_CUDA_SPLITS, "
-                             "FSD_EXT_CUDA_PDL, FSD_EXT_CUDA_STAGED; got %s\n", value);
+                             "FSD_EXT_CUDA_PDL, FSD_EXT_CUDA_CLUSTER, FSD_EXT_CUDA_STAGED; got %s\n", value);
         return 1;
       }
       o.variants.push_back(switches);

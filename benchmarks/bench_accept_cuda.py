@@ -220,7 +220,7 @@ def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, staged, variants)
         staged_eager_us, staged_graph_us, staged_steps_us, staged_path = time_accept(
             target, draft, tokens, kw, {"FSD_EXT_CUDA_STAGED": "1"})
     # Launcher switches against the planner's choice: other vocabulary splits (FSD_EXT_CUDA_SPLITS),
-    # programmatic dependent launch (FSD_EXT_CUDA_PDL).
+    # programmatic dependent launch (FSD_EXT_CUDA_PDL), the unstaged cluster path (FSD_EXT_CUDA_CLUSTER).
     switch_variants = {}
     if "top_p" not in extra:
         for variant in variants:
@@ -323,7 +323,7 @@ def main():
                         help="start no torch.compile after this many seconds (compiles run after every kernel time)")
     parser.add_argument("--compile-budget-s", type=float, default=60.0, help="skip compile results slower than this")
     parser.add_argument("--no-staged", action="store_true", help="skip the staged path (FSD_EXT_CUDA_STAGED=1)")
-    parser.add_argument("--variants", default="SPLITS=1,SPLITS=8,SPLITS=32,PDL=1",
+    parser.add_argument("--variants", default="SPLITS=1,SPLITS=8,SPLITS=32,PDL=1,CLUSTER=1",
                         help="also time with these launcher switches (FSD_EXT_CUDA_<NAME>=<VALUE>), comma-separated; "
                              "'' for none")
     args = parser.parse_args()
@@ -335,8 +335,8 @@ def main():
     staged = not args.no_staged and torch.cuda.get_device_capability()[0] >= 9
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     for v in variants:
-        if v.split("=")[0] not in ("SPLITS", "PDL") or "=" not in v:
-            parser.error(f"--variants: {v!r} is not SPLITS=n or PDL=0/1")
+        if v.split("=")[0] not in ("SPLITS", "PDL", "CLUSTER") or "=" not in v:
+            parser.error(f"--variants: {v!r} is not SPLITS=n, PDL=0/1 or CLUSTER=0/1")
     results = []
     for shape in SHAPES:
         results.append(bench_shape(*shape, copy_gbs, staged, variants))

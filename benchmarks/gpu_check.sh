@@ -6,12 +6,13 @@
 #      H200 image sets 9.0a) unless a prebuilt one is carried (below), and calls accept once on the
 #      GPU; meanwhile, in the background, the CPU kernels' sources are compiled with this machine's
 #      C++ compiler (the image's GCC 13 once failed on them while CI's GCC 12 did not);
-#   2. pytest -m cuda tests/test_cuda.py -k "not staged and not pdl" (parity CUDA / CPU kernel /
-#      reference, statistics, CUDA graphs, NaN rows, no host sync, generate with CUDA graphs);
+#   2. pytest -m cuda tests/test_cuda.py -k "not (staged or pdl or cluster)" (parity CUDA / CPU
+#      kernel / reference, statistics, CUDA graphs, NaN rows, no host sync, generate with graphs);
 #   3. the opt-in paths, after step 2 so that a fault there cannot spoil step 2's results: the
 #      staged tests and every test of an unfiltered accept call again with FSD_EXT_CUDA_STAGED=1
 #      (thread-block clusters holding the vocabulary chunks in shared memory, sm_90), and the
-#      tests of programmatic dependent launch (FSD_EXT_CUDA_PDL=1: their fixture sets it);
+#      tests of the unstaged cluster path (FSD_EXT_CUDA_CLUSTER=1) and of programmatic dependent
+#      launch (FSD_EXT_CUDA_PDL=1), whose fixtures set their switches;
 #   4. the kernel benchmark (benchmarks/bench_accept_cuda.py): one table per shape with us, GB/s,
 #      % of the D2D copy bandwidth (default and staged path) and the speed-ups over eager PyTorch
 #      and torch.compile; then the torch-free step timer and phase tracer (benchmarks/
@@ -59,7 +60,7 @@ start=$SECONDS
 status=0
 # Step 3's selection: the staged tests and every test whose accept calls the staged path can take.
 STAGED_TESTS="staged or accept or split_vocab or greedy_rows or divergence_options or sd_emits or fsd_under"
-STAGED_TESTS+=" or graph_capture or no_host_sync or nan or out_of_range or generate or pdl"
+STAGED_TESTS+=" or graph_capture or no_host_sync or nan or out_of_range or generate or pdl or cluster"
 step() { echo; echo "=== [$((SECONDS - start))s] $*" | tee -a "$WORK/summary.txt"; }
 note() { echo "=== $*" | tee -a "$WORK/summary.txt"; }
 pack() {  # the archive and the summaries into $OUT (after every step)
@@ -159,9 +160,9 @@ print("extension loaded; CUDA accept:", ops.accept(x, x[:, :1], torch.zeros(1, 1
 PY
 check "one accept call on the GPU" "$rc" "$WORK/smoke.log" || true
 
-step "tests (pytest -m cuda tests/test_cuda.py -k 'not staged and not pdl')"
+step "tests (pytest -m cuda tests/test_cuda.py -k 'not (staged or pdl or cluster)')"
 rc=0
-limited 150 "$PY" -m pytest -m cuda tests/test_cuda.py -k "not staged and not pdl" "${PYTEST_OPTS[@]}" \
+limited 150 "$PY" -m pytest -m cuda tests/test_cuda.py -k "not (staged or pdl or cluster)" "${PYTEST_OPTS[@]}" \
   --junitxml="$WORK/test_cuda.xml" >"$WORK/test_cuda.log" 2>&1 || rc=$?
 tail -n 25 "$WORK/test_cuda.log"
 check "CUDA tests" "$rc" "$WORK/test_cuda.log" || true
@@ -171,18 +172,23 @@ rc=0
 FSD_EXT_CUDA_STAGED=1 limited 100 "$PY" -m pytest -m cuda tests/test_cuda.py -k "$STAGED_TESTS" "${PYTEST_OPTS[@]}" \
   --junitxml="$WORK/test_cuda_staged.xml" >"$WORK/test_cuda_staged.log" 2>&1 || rc=$?
 tail -n 25 "$WORK/test_cuda_staged.log"
-bench_flags=()  # an opt-in path that failed its tests is not benchmarked
-if ! check "CUDA tests, opt-in paths (staged, PDL)" "$rc" "$WORK/test_cuda_staged.log"; then
+# An opt-in path that failed its tests (all of them when the run was cut) is not benchmarked.
+bench_flags=()
+variants="SPLITS=1,SPLITS=8,SPLITS=32"
+if check "CUDA tests, opt-in paths (staged, cluster, PDL)" "$rc" "$WORK/test_cuda_staged.log"; then
+  variants+=",PDL=1,CLUSTER=1"
+else
   failed=$(grep -E "^(FAILED|ERROR) " "$WORK/test_cuda_staged.log" || true)
-  if [[ -z "$failed" ]] || grep -vq pdl <<<"$failed"; then
+  if [[ -z "$failed" ]] || grep -Evq "pdl|cluster" <<<"$failed"; then
     bench_flags+=(--no-staged)
     note "the staged path failed its tests (or the run was cut): benchmarked without it"
   fi
-  if [[ -z "$failed" ]] || grep -q pdl <<<"$failed"; then
-    bench_flags+=(--variants SPLITS=1,SPLITS=8,SPLITS=32)
-    note "programmatic dependent launch failed its tests (or the run was cut): benchmarked without it"
-  fi
+  for path in PDL CLUSTER; do
+    if [[ -n "$failed" ]] && ! grep -qi "$path" <<<"$failed"; then variants+=",$path=1"
+    else note "$path=1 failed its tests (or the run was cut): benchmarked without it"; fi
+  done
 fi
+bench_flags+=(--variants "$variants")
 
 step "benchmark (benchmarks/bench_accept_cuda.py)"
 rc=0
@@ -198,8 +204,9 @@ fi
 if harness_ready; then
   rc=0
   { limited 60 "$HARNESS/accept_timing" --steps 10 --env FSD_EXT_CUDA_SPLITS=8 --env FSD_EXT_CUDA_SPLITS=32 \
-      --env FSD_EXT_CUDA_PDL=1 --env FSD_EXT_CUDA_STAGED=1 >"$WORK/accept_timing.md" &&
-    limited 60 "$HARNESS/accept_trace" --env FSD_EXT_CUDA_PDL=1 >"$WORK/accept_trace.md"; } 2>"$WORK/accept_harness.log" || rc=$?
+      --env FSD_EXT_CUDA_PDL=1 --env FSD_EXT_CUDA_CLUSTER=1 --env FSD_EXT_CUDA_STAGED=1 >"$WORK/accept_timing.md" &&
+    limited 60 "$HARNESS/accept_trace" --env FSD_EXT_CUDA_PDL=1 --env FSD_EXT_CUDA_CLUSTER=1 \
+      >"$WORK/accept_trace.md"; } 2>"$WORK/accept_harness.log" || rc=$?
   head -n 20 "$WORK/accept_timing.md"
   check "step timer and phase tracer" "$rc" "$WORK/accept_harness.log" || true
 else

@@ -468,8 +468,8 @@ def test_no_host_sync(fops):
 
 # ----------------------------------------------------------------------------------------------
 # The staged path (FSD_EXT_CUDA_STAGED=1, sm_90+): thread-block clusters holding each position's
-# vocabulary chunks in shared memory, so the logits are read once. gpu_check.sh also reruns this
-# whole file with the flag set.
+# vocabulary chunks in shared memory, so the logits are read once. gpu_check.sh also reruns the
+# tests of unfiltered accept calls with the flag set.
 
 @pytest.fixture
 def staged(monkeypatch):
@@ -514,15 +514,19 @@ def test_staged_path_is_taken(fops, staged, capfd, dtype, vocab, batch, path):
     assert accept_path(fops, capfd, target, draft, tokens, rule="fsd", seed=1) != "staged"
 
 
-@pytest.mark.parametrize("rule", RULES)
-@pytest.mark.parametrize("case", ["b16_v128256_bf16", "b1_v151936_bf16", "ragged_v32001_f32", "small_v4099_f16"])
-def test_staged_path_agrees_with_reference(fops, staged, rule, case):
-    batch, vocab, draft_vocab, dtype = {
-        "b16_v128256_bf16": (16, 128256, 128256, torch.bfloat16),  # clusters of 8, as at B=64
-        "b1_v151936_bf16": (1, 151936, 151936, torch.bfloat16),
-        "ragged_v32001_f32": (12, 32001, 32000, torch.float32),
-        "small_v4099_f16": (40, 4099, 3001, torch.float16),
-    }[case]
+# Cases of the cluster paths: clusters of 8 (as at B=64), of up to 16 (B=1), ragged K with V_d < V_t
+# and a NaN row, a small vocabulary (clusters of 2).
+CLUSTER_CASES = {
+    "b16_v128256_bf16": (16, 128256, 128256, torch.bfloat16),
+    "b1_v151936_bf16": (1, 151936, 151936, torch.bfloat16),
+    "ragged_v32001_f32": (12, 32001, 32000, torch.float32),
+    "small_v4099_f16": (40, 4099, 3001, torch.float16),
+}
+
+
+def check_cluster_case(fops, rule, case):
+    """accept on one of CLUSTER_CASES against the reference (tokens, divergences, NaN row)."""
+    batch, vocab, draft_vocab, dtype = CLUSTER_CASES[case]
     target, draft, tokens, nd = make_case(batch, 5, vocab, draft_vocab, dtype=dtype, seed=31, num_draft=batch > 1)
     if batch > 4:
         target[3, 1, 77] = float("nan")  # a NaN row
@@ -542,6 +546,12 @@ def test_staged_path_agrees_with_reference(fops, staged, rule, case):
         assert agreement(cuda, ref) >= (0.97 if batch >= 40 else 1.0)
 
 
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("case", list(CLUSTER_CASES))
+def test_staged_path_agrees_with_reference(fops, staged, rule, case):
+    check_cluster_case(fops, rule, case)
+
+
 @pytest.mark.parametrize("rule", ["sd", "fsd"])
 def test_staged_sd_emits_target_distribution(fops, staged, rule):
     test_sd_emits_target_distribution(fops, rule)
@@ -549,6 +559,50 @@ def test_staged_sd_emits_target_distribution(fops, staged, rule):
 
 def test_staged_graph_capture_and_replay(fops, staged):
     test_graph_capture_and_replay_fresh_randomness(fops)
+
+
+# ----------------------------------------------------------------------------------------------
+# The unstaged cluster path (FSD_EXT_CUDA_CLUSTER=1, sm_90+): the split path's chunks in one launch
+# of thread-block clusters, a cluster barrier between the phases instead of a second launch, pass 2
+# re-reading its chunk from L2.
+
+@pytest.fixture
+def clustered(monkeypatch):
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the cluster path needs thread-block clusters (sm_90+)")
+    monkeypatch.setenv("FSD_EXT_CUDA_STAGED", "0")
+    monkeypatch.setenv("FSD_EXT_CUDA_CLUSTER", "1")
+    return monkeypatch
+
+
+@pytest.mark.parametrize("dtype,vocab,batch,path", [
+    (torch.bfloat16, 151936, 1, "cluster"), (torch.bfloat16, 128256, 64, "cluster"),
+    (torch.float32, 32001, 8, "cluster"), (torch.float16, 1000, 3, "fused"),  # one chunk: nothing to cluster
+])
+def test_cluster_path_is_taken(fops, clustered, capfd, dtype, vocab, batch, path):
+    target, draft, tokens, _ = make_case(batch, 5, vocab, dtype=dtype, seed=30)
+    target, draft, tokens = target.cuda(), draft.cuda(), tokens.cuda()
+    assert accept_path(fops, capfd, target, draft, tokens, rule="fsd", seed=1) == path
+    # Filters need whole-row selections: the fused path.
+    assert accept_path(fops, capfd, target, draft, tokens, rule="fsd", seed=1, top_p=0.9) != "cluster"
+    clustered.setenv("FSD_EXT_CUDA_CLUSTER", "0")
+    assert accept_path(fops, capfd, target, draft, tokens, rule="fsd", seed=1) != "cluster"
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("case", list(CLUSTER_CASES))
+def test_cluster_path_agrees_with_reference(fops, clustered, rule, case):
+    check_cluster_case(fops, rule, case)
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cluster_split_vocab_case_matches_reference(fops, clustered, rule, dtype):
+    test_split_vocab_path_matches_reference(fops, rule, dtype)
+
+
+def test_cluster_graph_capture_and_replay(fops, clustered):
+    check_graph_replay(fops, batch=3, vocab=50001)
 
 
 # ----------------------------------------------------------------------------------------------

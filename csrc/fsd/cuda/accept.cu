@@ -1,6 +1,6 @@
-// Host planner of fsd_ext.accept on CUDA: picks the path (staged, fused, split), the vocabulary
-// chunks and the workspace layout, then hands over to the per-dtype launcher (accept_typed.cuh;
-// the kernels are in accept.cuh).
+// Host planner of fsd_ext.accept on CUDA: picks the path (fused, split, the opt-in cluster paths),
+// the vocabulary chunks and the workspace layout, then hands over to the per-dtype launcher
+// (accept_typed.cuh; the kernels are in accept.cuh).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -31,18 +31,23 @@ size_t stage_bytes(DType dtype, int64_t chunk) {
   return 2 * stage_region_bytes(chunk, dtype == DType::Float32 ? 4 : 2);
 }
 
-// The staged path has not yet run on a GPU: it is used only when FSD_EXT_CUDA_STAGED=1 (read on
-// every call, so a test or benchmark can switch it) and the device has thread-block clusters.
-bool staged_path_requested() {
-  const char* flag = std::getenv("FSD_EXT_CUDA_STAGED");
-  return flag != nullptr && flag[0] == '1' && flag[1] == '\0' && compute_capability_major() >= 9;
+// Whether the environment switch `name` is "1" (read on every call, so a test or benchmark can flip
+// it).
+bool switch_on(const char* name) {
+  const char* flag = std::getenv(name);
+  return flag != nullptr && flag[0] == '1' && flag[1] == '\0';
 }
+
+// The cluster paths are opt-in (FSD_EXT_CUDA_STAGED=1: staged; FSD_EXT_CUDA_CLUSTER=1: unstaged)
+// and need thread-block clusters (sm_90+). The staged path was not faster on the H200; the
+// unstaged one has not run on a GPU yet.
+bool staged_path_requested() { return switch_on("FSD_EXT_CUDA_STAGED") && compute_capability_major() >= 9; }
+bool cluster_path_requested() { return switch_on("FSD_EXT_CUDA_CLUSTER") && compute_capability_major() >= 9; }
 
 // FSD_EXT_CUDA_PDL=1 (read on every call): the split path launches its second kernel by
 // programmatic dependent launch (sm_90+; accept.cuh). Opt-in until a GPU run has measured it.
 bool dependent_launch_requested(DType dtype) {
-  const char* flag = std::getenv("FSD_EXT_CUDA_PDL");
-  if (flag == nullptr || flag[0] != '1' || flag[1] != '\0' || compute_capability_major() < 9) return false;
+  if (!switch_on("FSD_EXT_CUDA_PDL") || compute_capability_major() < 9) return false;
   switch (dtype) {
     case DType::Float32: return decide_kernel_waits<float>();
     case DType::BFloat16: return decide_kernel_waits<BFloat16>();
@@ -62,13 +67,33 @@ int64_t splits_requested() {
   return end != flag && *end == '\0' && n > 0 ? (int64_t)std::min<long long>(n, kMaxSplits) : 0;
 }
 
-bool staged_fits(DType dtype, int64_t cluster, size_t bytes) {
+template <bool kStaged>
+bool cluster_fits_dtype(DType dtype, int64_t cluster, size_t bytes) {
   switch (dtype) {
-    case DType::Float32: return staged_cluster_fits<float>(cluster, bytes);
-    case DType::BFloat16: return staged_cluster_fits<BFloat16>(cluster, bytes);
-    case DType::Float16: return staged_cluster_fits<Float16>(cluster, bytes);
+    case DType::Float32: return cluster_fits<float, kStaged>(cluster, bytes);
+    case DType::BFloat16: return cluster_fits<BFloat16, kStaged>(cluster, bytes);
+    case DType::Float16: return cluster_fits<Float16, kStaged>(cluster, bytes);
   }
   return false;
+}
+
+// The vocabulary chunk of each of `n` cluster blocks (a multiple of 64 ids).
+int64_t cluster_chunk(int64_t vocab, int64_t n) { return ((vocab + n - 1) / n + 63) / 64 * 64; }
+
+// FSD_EXT_CUDA_CLUSTER=1: the split path's chunks as one launch of unstaged clusters, the smallest
+// power of two of at least the planner's chunk count (at most kMaxCluster), halved while the
+// vocabulary does not fill that many chunks or the device cannot hold such a cluster.
+void plan_unstaged_cluster(const AcceptProblem& pb, AcceptPlan& plan) {
+  int64_t cluster = 1;
+  while (cluster < plan.splits && cluster < kMaxCluster) cluster *= 2;
+  for (; cluster >= 2 && !plan.clustered; cluster /= 2) {
+    const int64_t chunk = cluster_chunk(pb.target_vocab, cluster);
+    if ((pb.target_vocab + chunk - 1) / chunk == cluster && cluster_fits_dtype<false>(pb.dtype, cluster, 0)) {
+      plan.clustered = true;
+      plan.splits = cluster;
+      plan.chunk = chunk;
+    }
+  }
 }
 
 AcceptPlan plan_accept(const AcceptProblem& pb) {
@@ -81,7 +106,7 @@ AcceptPlan plan_accept(const AcceptProblem& pb) {
     // The smallest cluster whose chunks fit the budget, doubled while the grid leaves SMs idle;
     // halved again while the device cannot hold such a cluster (16 blocks are not portable).
     const int64_t sms = (int64_t)multiprocessor_count(), blocks = pb.batch * positions;
-    auto chunk_of = [&](int64_t n) { return ((pb.target_vocab + n - 1) / n + 63) / 64 * 64; };
+    auto chunk_of = [&](int64_t n) { return cluster_chunk(pb.target_vocab, n); };
     int64_t smallest = 1;
     while (smallest < kMaxCluster && stage_bytes(pb.dtype, chunk_of(smallest)) > kStageBudget) smallest *= 2;
     int64_t cluster = smallest;
@@ -94,7 +119,7 @@ AcceptPlan plan_accept(const AcceptProblem& pb) {
       const int64_t splits = (pb.target_vocab + chunk - 1) / chunk;  // the cluster size launched
       const size_t bytes = stage_bytes(pb.dtype, chunk);
       const bool power_of_two = (splits & (splits - 1)) == 0;
-      if (power_of_two && bytes <= kStageBudget && staged_fits(pb.dtype, splits, bytes)) {
+      if (power_of_two && bytes <= kStageBudget && cluster_fits_dtype<true>(pb.dtype, splits, bytes)) {
         plan.staged = true;
         plan.stage_bytes = bytes;
         plan.splits = splits;
@@ -118,8 +143,9 @@ AcceptPlan plan_accept(const AcceptProblem& pb) {
     }
     if (const int64_t requested = splits_requested(); requested > 0)
       plan.splits = std::min(requested, by_vocab);
+    if (plan.splits > 1 && cluster_path_requested()) plan_unstaged_cluster(pb, plan);
   }
-  if (!plan.staged) {
+  if (!plan.staged && !plan.clustered) {
     const int64_t granule = 2048;
     plan.chunk = ((pb.target_vocab + plan.splits - 1) / plan.splits + granule - 1) / granule * granule;
     plan.splits = (pb.target_vocab + plan.chunk - 1) / plan.chunk;
@@ -146,7 +172,11 @@ cudaError_t launch_accept(const AcceptProblem& problem, void* workspace, size_t 
   if (workspace == nullptr || workspace_bytes < plan.total) return cudaErrorInvalidValue;
   if (const char* log = std::getenv("FSD_EXT_CUDA_LOG"); log != nullptr && log[0] == '1') {
     // Which path a call takes (tests and benchmarks check it without a profiler).
-    const char* path = plan.staged ? "staged" : plan.splits > 1 ? "split" : plan.filtered ? "fused-filtered" : "fused";
+    const char* path = plan.staged      ? "staged"
+                       : plan.clustered ? "cluster"
+                       : plan.splits > 1 ? "split"
+                       : plan.filtered   ? "fused-filtered"
+                                         : "fused";
     std::fprintf(stderr, "fsd_ext.accept cuda: path=%s splits=%lld chunk=%lld stage_bytes=%zu pdl=%d\n", path,
                  (long long)plan.splits, (long long)plan.chunk, plan.stage_bytes, (int)plan.dependent_launch);
   }

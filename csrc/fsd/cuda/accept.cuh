@@ -19,9 +19,11 @@
 // accept_stats_kernel<..., kFused=true> does both phases per block, pass 2 backwards right after
 // pass 1 (L2 reuse); the launcher zeroes the row counters with a memset first. splits > 1:
 // accept_stats_kernel then accept_decide_kernel.
-// Staged (opt-in, sm_90+, no filters): one launch of accept_staged_kernel, a thread-block cluster
-// per (row, position) whose blocks hold their chunks in shared memory between the two phases, so
-// the logits are read from global memory once.
+// Clusters (opt-in, sm_90+, no filters): one launch of accept_cluster_kernel, a thread-block
+// cluster per (row, position), one chunk per block; a cluster barrier between the two phases
+// replaces the second launch. Staged (FSD_EXT_CUDA_STAGED=1): the blocks hold their chunks in
+// shared memory between the phases, so the logits are read from global memory once; unstaged
+// (FSD_EXT_CUDA_CLUSTER=1): pass 2 re-reads its chunk right after pass 1, while it is in L2.
 //
 // Nothing the size of the vocabulary is written: the workspace holds O(B * K * splits) records.
 // Invalid rows (NaN / no finite logit in a used row, num_draft outside [0, K], a draft id outside
@@ -620,43 +622,51 @@ __global__ void __launch_bounds__(kThreads, kFused ? 2 : 4) accept_stats_kernel(
   }
 }
 
-// Staged path (sm_90 and newer, no filters; opt-in, see accept.cu): a thread-block cluster of
-// `splits` blocks per (row, position), one vocabulary chunk each. A block copies its chunk of both
-// logit rows into shared memory while it computes the chunk statistics, so the logits are read
-// from global memory once; the cluster barrier publishes every chunk's statistics to the whole
-// position; pass 2 then reads the staged copy. The row finish is the same as on the other paths.
-template <typename T>
-__global__ void __launch_bounds__(kThreads, 2) accept_staged_kernel(const AcceptProblem pb, const AcceptWorkspace ws) {
+// Cluster paths (sm_90 and newer, no filters; opt-in, see accept.cu): a thread-block cluster of
+// `splits` blocks per (row, position), one vocabulary chunk each. The cluster barrier between the
+// phases publishes every chunk's statistics to the whole position (one launch instead of two).
+// kStaged: a block copies its chunk of both logit rows into shared memory while it computes the
+// chunk statistics, and pass 2 reads that copy, so the logits are read from global memory once.
+// Otherwise pass 2 re-reads the chunk from global memory right after pass 1 (backwards: what was
+// read last is the likeliest to be in L1 / L2), with no shared-memory copy to limit occupancy.
+template <typename T, bool kStaged>
+__global__ void __launch_bounds__(kThreads, 2) accept_cluster_kernel(const AcceptProblem pb, const AcceptWorkspace ws) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  extern __shared__ uint4 stage[];  // target chunk, then draft chunk (stage_region_bytes each)
   const int64_t k = pb.max_draft, positions = k + 1, splits = ws.splits;
   const int64_t c = blockIdx.x % splits, i = (blockIdx.x / splits) % positions, b = blockIdx.x / (splits * positions);
   const int64_t nd = row_num_draft(pb, b);
-  const int64_t begin = c * ws.chunk, end = min(pb.target_vocab, begin + ws.chunk);
   const T* target = target_row<T>(pb, b, i);
   const T* draft = draft_row<T>(pb, b, i);
-  T* staged_target = stage_pointer(stage, target, begin);
-  T* staged_draft = stage_pointer(reinterpret_cast<char*>(stage) + stage_region_bytes(ws.chunk, sizeof(T)), draft, begin);
   FSD_TRACE(pb, kTraceStatsBegin);
-  if (nd >= 0 && nd <= k && i <= nd) {  // the same for every block of the cluster
-    const RowTemps temps = row_temps(pb, b);
-    __shared__ typename StatReduce<T>::TempStorage temp;
-    __shared__ RowStat stat_out;
-    const int64_t slot = (b * positions + i) * 2;
-    const RowStat st_t = block_stage_stat(target, staged_target, begin, end, temps.inv_s, temps.inv_d, temp, stat_out);
-    if (threadIdx.x == 0) ws.chunk_stats[slot * splits + c] = st_t;
-    if (i < nd) {
-      const RowStat st_d = block_stage_stat(draft, staged_draft, begin, min(end, pb.draft_vocab), temps.inv_s,
-                                            temps.inv_d, temp, stat_out);
-      if (threadIdx.x == 0) ws.chunk_stats[(slot + 1) * splits + c] = st_d;
-    }
-  }
-  // Release / acquire at cluster scope: after it every chunk record of this position is visible to
-  // the L2 loads in decide_position.
-  cooperative_groups::this_cluster().sync();
-  FSD_TRACE(pb, kTraceStatsEnd);  // the cluster's statistics published
   __shared__ DecideShared sh;
-  decide_position<T, true>(pb, ws, c, i, b, false, staged_target, staged_draft, sh);
+  if constexpr (kStaged) {
+    extern __shared__ uint4 stage[];  // target chunk, then draft chunk (stage_region_bytes each)
+    const int64_t begin = c * ws.chunk, end = min(pb.target_vocab, begin + ws.chunk);
+    T* staged_target = stage_pointer(stage, target, begin);
+    T* staged_draft = stage_pointer(reinterpret_cast<char*>(stage) + stage_region_bytes(ws.chunk, sizeof(T)), draft, begin);
+    if (nd >= 0 && nd <= k && i <= nd) {  // the same for every block of the cluster
+      const RowTemps temps = row_temps(pb, b);
+      __shared__ typename StatReduce<T>::TempStorage temp;
+      __shared__ RowStat stat_out;
+      const int64_t slot = (b * positions + i) * 2;
+      const RowStat st_t = block_stage_stat(target, staged_target, begin, end, temps.inv_s, temps.inv_d, temp, stat_out);
+      if (threadIdx.x == 0) ws.chunk_stats[slot * splits + c] = st_t;
+      if (i < nd) {
+        const RowStat st_d = block_stage_stat(draft, staged_draft, begin, min(end, pb.draft_vocab), temps.inv_s,
+                                              temps.inv_d, temp, stat_out);
+        if (threadIdx.x == 0) ws.chunk_stats[(slot + 1) * splits + c] = st_d;
+      }
+    }
+    // Release / acquire at cluster scope: after it every chunk record of this position is visible
+    // to the L2 loads in decide_position.
+    cooperative_groups::this_cluster().sync();
+    FSD_TRACE(pb, kTraceStatsEnd);  // the cluster's statistics published
+    decide_position<T, true>(pb, ws, c, i, b, false, staged_target, staged_draft, sh);
+  } else {
+    if (nd >= 0 && nd <= k && i <= nd) position_stats<T, false>(pb, ws, c, i, b, nd);
+    cooperative_groups::this_cluster().sync();  // (as above)
+    decide_position<T>(pb, ws, c, i, b, true, target, draft, sh);
+  }
 #endif
 }
 

@@ -1,4 +1,4 @@
-// The per-dtype half of fsd_ext.accept's host launcher: kernel launches and the staged path's
+// The per-dtype half of fsd_ext.accept's host launcher: kernel launches and the cluster paths'
 // occupancy query. Included once per logits dtype (accept_float.cu, accept_bf16.cu,
 // accept_f16.cu), which instantiate it.
 #pragma once
@@ -10,8 +10,8 @@
 namespace fsd {
 namespace cuda {
 
-// Launch configuration of the staged kernel: clusters of `cluster` blocks along x.
-inline cudaLaunchConfig_t staged_config(unsigned grid, int64_t cluster, size_t bytes, cudaStream_t stream,
+// Launch configuration of the cluster kernels: clusters of `cluster` blocks along x.
+inline cudaLaunchConfig_t cluster_config(unsigned grid, int64_t cluster, size_t bytes, cudaStream_t stream,
                                         cudaLaunchAttribute* attribute) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(grid);
@@ -27,10 +27,12 @@ inline cudaLaunchConfig_t staged_config(unsigned grid, int64_t cluster, size_t b
   return config;
 }
 
-// Whether a cluster of `cluster` blocks with `bytes` of staged shared memory each can be resident
-// on the current device (asked once per device, dtype, cluster size and size).
-template <typename T>
-bool staged_cluster_fits(int64_t cluster, size_t bytes) {
+// Whether a cluster of `cluster` blocks of accept_cluster_kernel<T, kStaged> with `bytes` of staged
+// shared memory each (0 unstaged) can be resident on the current device (asked once per device,
+// dtype, variant, cluster size and size).
+template <typename T, bool kStaged>
+bool cluster_fits(int64_t cluster, size_t bytes) {
+  const auto kernel = accept_cluster_kernel<T, kStaged>;
   struct Entry { int device = -1; int64_t cluster = 0; size_t bytes = 0; bool fits = false; };
   constexpr int kEntries = 16;
   static thread_local Entry cache[kEntries];
@@ -44,17 +46,17 @@ bool staged_cluster_fits(int64_t cluster, size_t bytes) {
   // The kernel body exists only in code compiled for sm_90 or newer (not in, say, sm_80 PTX that the
   // driver compiled for this device).
   cudaFuncAttributes attributes;
-  bool answered = cudaFuncGetAttributes(&attributes, accept_staged_kernel<T>) == cudaSuccess;
+  bool answered = cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess;
   bool fits = answered && attributes.ptxVersion >= 90 && attributes.binaryVersion >= 90;
   if (fits) {
-    answered = cudaFuncSetAttribute(accept_staged_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    (int)kStageBudget) == cudaSuccess &&
-               (cluster <= 8 || cudaFuncSetAttribute(accept_staged_kernel<T>,
-                                                     cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess);
+    answered = (!kStaged || cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                 (int)kStageBudget) == cudaSuccess) &&
+               (cluster <= 8 ||
+                cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess);
     cudaLaunchAttribute attribute;
-    const cudaLaunchConfig_t config = staged_config((unsigned)cluster, cluster, bytes, nullptr, &attribute);
+    const cudaLaunchConfig_t config = cluster_config((unsigned)cluster, cluster, bytes, nullptr, &attribute);
     int clusters = 0;
-    answered = answered && cudaOccupancyMaxActiveClusters(&clusters, accept_staged_kernel<T>, &config) == cudaSuccess;
+    answered = answered && cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) == cudaSuccess;
     fits = answered && clusters > 0;
   }
   if (!answered) {
@@ -73,7 +75,7 @@ template <typename T>
 bool decide_kernel_waits() {
   static thread_local int8_t cached[64] = {0};  // 0: not asked, 1: no, 2: yes
   int device = 0;
-  // As in staged_cluster_fits: an error already pending belongs to the caller.
+  // As in cluster_fits: an error already pending belongs to the caller.
   if (cudaPeekAtLastError() != cudaSuccess || cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= 64)
     return false;
   if (cached[device] == 0) {
@@ -100,11 +102,12 @@ cudaError_t launch_accept_typed(const AcceptProblem& pb, const AcceptPlan& plan,
   const int64_t blocks = pb.batch * (pb.max_draft + 1) * plan.splits;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   const unsigned grid = (unsigned)blocks;
-  if (plan.staged) {  // one launch; its row counters start from zero
+  if (plan.staged || plan.clustered) {  // one launch; its row counters start from zero
     FSD_CUDA_CHECK(cudaMemsetAsync(ws.counters, 0, (size_t)pb.batch * sizeof(uint32_t), stream));
     cudaLaunchAttribute attribute;
-    const cudaLaunchConfig_t config = staged_config(grid, plan.splits, plan.stage_bytes, stream, &attribute);
-    FSD_CUDA_CHECK(cudaLaunchKernelEx(&config, accept_staged_kernel<T>, pb, ws));
+    const cudaLaunchConfig_t config = cluster_config(grid, plan.splits, plan.stage_bytes, stream, &attribute);
+    if (plan.staged) FSD_CUDA_CHECK(cudaLaunchKernelEx(&config, accept_cluster_kernel<T, true>, pb, ws));
+    else FSD_CUDA_CHECK(cudaLaunchKernelEx(&config, accept_cluster_kernel<T, false>, pb, ws));
   } else if (plan.splits == 1) {  // one fused launch; its row counters start from zero
     FSD_CUDA_CHECK(cudaMemsetAsync(ws.counters, 0, (size_t)pb.batch * sizeof(uint32_t), stream));
     if (plan.filtered) accept_stats_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(pb, ws);
