@@ -18,9 +18,10 @@ from fsd_ext import ops
 # (name, batch, K, V, dtype, launcher environment, extra accept kwargs)
 CONFIGS = [
     ("B64 K5 V128256 bf16 fsd/js, planner", 64, 5, 128256, torch.bfloat16, {}, {}),
-    ("B64 K5 V128256 bf16 fsd/js, 8 splits", 64, 5, 128256, torch.bfloat16, {"FSD_EXT_CUDA_SPLITS": "8"}, {}),
+    ("B64 K5 V128256 bf16 fsd/js, cluster", 64, 5, 128256, torch.bfloat16, {"FSD_EXT_CUDA_CLUSTER": "1"}, {}),
     ("B64 K5 V128256 bf16 fsd/js, staged", 64, 5, 128256, torch.bfloat16, {"FSD_EXT_CUDA_STAGED": "1"}, {}),
     ("B1 K5 V151936 bf16 fsd/js, planner", 1, 5, 151936, torch.bfloat16, {}, {}),
+    ("B1 K5 V151936 bf16 fsd/js, cluster", 1, 5, 151936, torch.bfloat16, {"FSD_EXT_CUDA_CLUSTER": "1"}, {}),
     ("B1 K5 V151936 bf16 fsd/js, staged", 1, 5, 151936, torch.bfloat16, {"FSD_EXT_CUDA_STAGED": "1"}, {}),
     ("B16 K5 V128256 bf16 top_p=0.9", 16, 5, 128256, torch.bfloat16, {}, {"top_p": 0.9}),
 ]
@@ -30,7 +31,8 @@ def main():
     assert torch.cuda.is_available(), "needs a GPU"
     for name, batch, k, vocab, dtype, env, extra in CONFIGS:
         target, draft, tokens, _, _ = make_inputs(batch, k, vocab, dtype)  # the benchmark's logits
-        os.environ.update({"FSD_EXT_CUDA_STAGED": "0", "FSD_EXT_CUDA_SPLITS": "0", "FSD_EXT_CUDA_LOG": "1"})
+        os.environ.update({"FSD_EXT_CUDA_STAGED": "0", "FSD_EXT_CUDA_CLUSTER": "0", "FSD_EXT_CUDA_PDL": "0",
+                           "FSD_EXT_CUDA_SPLITS": "0", "FSD_EXT_CUDA_LOG": "1"})
         os.environ.update(env)
         torch.cuda.synchronize()
         print(f"=== config: {name}", flush=True)  # the launcher's path line follows on stderr
