@@ -505,13 +505,18 @@ def accept_path(fops, capfd, *args, **kwargs):
     (torch.float32, 262144, 2, "split"),  # 2 MB of logits per position: 16 blocks cannot hold them
 ])
 def test_staged_path_is_taken(fops, staged, capfd, dtype, vocab, batch, path):
+    check_opt_in_path(fops, staged, capfd, "FSD_EXT_CUDA_STAGED", "staged", dtype, vocab, batch, path)
+
+
+def check_opt_in_path(fops, monkeypatch, capfd, switch, opt_in_path, dtype, vocab, batch, path):
+    """With `switch` set, a call of this shape takes `path`; never `opt_in_path` with a filter (it
+    needs whole-row selections) or with the switch off."""
     target, draft, tokens, _ = make_case(batch, 5, vocab, dtype=dtype, seed=30)
     target, draft, tokens = target.cuda(), draft.cuda(), tokens.cuda()
     assert accept_path(fops, capfd, target, draft, tokens, rule="fsd", seed=1) == path
-    # Filters need whole-row selections: the fused or split path.
-    assert accept_path(fops, capfd, target, draft, tokens, rule="fsd", seed=1, top_p=0.9) != "staged"
-    staged.setenv("FSD_EXT_CUDA_STAGED", "0")
-    assert accept_path(fops, capfd, target, draft, tokens, rule="fsd", seed=1) != "staged"
+    assert accept_path(fops, capfd, target, draft, tokens, rule="fsd", seed=1, top_p=0.9) != opt_in_path
+    monkeypatch.setenv(switch, "0")
+    assert accept_path(fops, capfd, target, draft, tokens, rule="fsd", seed=1) != opt_in_path
 
 
 # Cases of the cluster paths: clusters of 8 (as at B=64), of up to 16 (B=1), ragged K with V_d < V_t
@@ -566,13 +571,18 @@ def test_staged_graph_capture_and_replay(fops, staged):
 # of thread-block clusters, a cluster barrier between the phases instead of a second launch, pass 2
 # re-reading its chunk from L2.
 
+def sm90_switch(monkeypatch, switch, what):
+    """Sets the opt-in launcher `switch` (staged path off) on sm_90+; skips `what` elsewhere."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip(f"{what} needs sm_90+")
+    monkeypatch.setenv("FSD_EXT_CUDA_STAGED", "0")
+    monkeypatch.setenv(switch, "1")
+    return monkeypatch
+
+
 @pytest.fixture
 def clustered(monkeypatch):
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the cluster path needs thread-block clusters (sm_90+)")
-    monkeypatch.setenv("FSD_EXT_CUDA_STAGED", "0")
-    monkeypatch.setenv("FSD_EXT_CUDA_CLUSTER", "1")
-    return monkeypatch
+    return sm90_switch(monkeypatch, "FSD_EXT_CUDA_CLUSTER", "the cluster path (thread-block clusters)")
 
 
 @pytest.mark.parametrize("dtype,vocab,batch,path", [
@@ -580,13 +590,7 @@ def clustered(monkeypatch):
     (torch.float32, 32001, 8, "cluster"), (torch.float16, 1000, 3, "fused"),  # one chunk: nothing to cluster
 ])
 def test_cluster_path_is_taken(fops, clustered, capfd, dtype, vocab, batch, path):
-    target, draft, tokens, _ = make_case(batch, 5, vocab, dtype=dtype, seed=30)
-    target, draft, tokens = target.cuda(), draft.cuda(), tokens.cuda()
-    assert accept_path(fops, capfd, target, draft, tokens, rule="fsd", seed=1) == path
-    # Filters need whole-row selections: the fused path.
-    assert accept_path(fops, capfd, target, draft, tokens, rule="fsd", seed=1, top_p=0.9) != "cluster"
-    clustered.setenv("FSD_EXT_CUDA_CLUSTER", "0")
-    assert accept_path(fops, capfd, target, draft, tokens, rule="fsd", seed=1) != "cluster"
+    check_opt_in_path(fops, clustered, capfd, "FSD_EXT_CUDA_CLUSTER", "cluster", dtype, vocab, batch, path)
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -612,11 +616,7 @@ def test_cluster_graph_capture_and_replay(fops, clustered):
 
 @pytest.fixture
 def pdl(monkeypatch):
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs sm_90+")
-    monkeypatch.setenv("FSD_EXT_CUDA_STAGED", "0")
-    monkeypatch.setenv("FSD_EXT_CUDA_PDL", "1")
-    return monkeypatch
+    return sm90_switch(monkeypatch, "FSD_EXT_CUDA_PDL", "programmatic dependent launch")
 
 
 def test_pdl_only_on_the_split_path(fops, pdl, capfd):
