@@ -44,6 +44,9 @@ SHAPES = [
 
 
 GRAPH_STEPS = 10  # accept calls per replay of the multi-step graph
+# The launcher's switches, all off: the planner's choice (FSD_EXT_CUDA_SPLITS=0: no forced split).
+SWITCHES_OFF = {"FSD_EXT_CUDA_STAGED": "0", "FSD_EXT_CUDA_CLUSTER": "0", "FSD_EXT_CUDA_PDL": "0",
+                "FSD_EXT_CUDA_SPLITS": "0"}
 
 
 def cuda_time_us(fn, iters: int, repeats: int = 5) -> float:
@@ -142,8 +145,9 @@ def launcher_path(call) -> str:
 
 def time_accept(target, draft, tokens, kw, env: dict):
     """(eager us, CUDA-graph replay us, per step of a GRAPH_STEPS-step graph us, launcher path) of
-    one accept call with the launcher's environment switches `env` (FSD_EXT_CUDA_STAGED,
-    FSD_EXT_CUDA_SPLITS: read on every call)."""
+    one accept call with the launcher's environment switches `env` set and the others off (they
+    are read on every call)."""
+    env = {**SWITCHES_OFF, **env}
     previous = {name: os.environ.get(name) for name in env}
     os.environ.update(env)
     try:
@@ -214,7 +218,7 @@ def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, staged, variants)
     kw.update(extra)
     logits_bytes = (target.numel() + draft.numel()) * target.element_size()
 
-    eager_us, graph_us, steps_us, path = time_accept(target, draft, tokens, kw, {"FSD_EXT_CUDA_STAGED": "0"})
+    eager_us, graph_us, steps_us, path = time_accept(target, draft, tokens, kw, {})
     staged_eager_us = staged_graph_us = staged_steps_us = staged_path = None
     if staged and "top_p" not in extra:  # filters need whole-row selections: never staged
         staged_eager_us, staged_graph_us, staged_steps_us, staged_path = time_accept(
@@ -225,8 +229,7 @@ def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, staged, variants)
     if "top_p" not in extra:
         for variant in variants:
             switch, value = variant.split("=", 1)
-            env = {"FSD_EXT_CUDA_STAGED": "0", f"FSD_EXT_CUDA_{switch}": value}
-            e, gr, st, p = time_accept(target, draft, tokens, kw, env)
+            e, gr, st, p = time_accept(target, draft, tokens, kw, {f"FSD_EXT_CUDA_{switch}": value})
             switch_variants[variant] = {"eager_us": e, "graph_us": gr, "graph_steps_us": st, "path": p}
 
     args = (target, draft, tokens, coins, uniforms, 0.3)

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from bench_accept_cuda import make_inputs  # benchmarks/ is on sys.path when run as a script
+from bench_accept_cuda import SWITCHES_OFF, make_inputs  # benchmarks/ is on sys.path when run as a script
 from fsd_ext import ops
 
 # (name, batch, K, V, dtype, launcher environment, extra accept kwargs)
@@ -31,8 +31,7 @@ def main():
     assert torch.cuda.is_available(), "needs a GPU"
     for name, batch, k, vocab, dtype, env, extra in CONFIGS:
         target, draft, tokens, _, _ = make_inputs(batch, k, vocab, dtype)  # the benchmark's logits
-        os.environ.update({"FSD_EXT_CUDA_STAGED": "0", "FSD_EXT_CUDA_CLUSTER": "0", "FSD_EXT_CUDA_PDL": "0",
-                           "FSD_EXT_CUDA_SPLITS": "0", "FSD_EXT_CUDA_LOG": "1"})
+        os.environ.update({**SWITCHES_OFF, "FSD_EXT_CUDA_LOG": "1"})
         os.environ.update(env)
         torch.cuda.synchronize()
         print(f"=== config: {name}", flush=True)  # the launcher's path line follows on stderr

@@ -31,6 +31,18 @@ size_t stage_bytes(DType dtype, int64_t chunk) {
   return 2 * stage_region_bytes(chunk, dtype == DType::Float32 ? 4 : 2);
 }
 
+// f(T{}) for the logits type T of `dtype` (the per-dtype launchers are templates); `otherwise` for
+// a dtype no launcher has.
+template <typename R, typename F>
+R with_logits_type(DType dtype, R otherwise, F&& f) {
+  switch (dtype) {
+    case DType::Float32: return f(float{});
+    case DType::BFloat16: return f(BFloat16{});
+    case DType::Float16: return f(Float16{});
+  }
+  return otherwise;
+}
+
 // Whether the environment switch `name` is "1" (read on every call, so a test or benchmark can flip
 // it).
 bool switch_on(const char* name) {
@@ -48,12 +60,7 @@ bool cluster_path_requested() { return switch_on("FSD_EXT_CUDA_CLUSTER") && comp
 // programmatic dependent launch (sm_90+; accept.cuh). Opt-in until a GPU run has measured it.
 bool dependent_launch_requested(DType dtype) {
   if (!switch_on("FSD_EXT_CUDA_PDL") || compute_capability_major() < 9) return false;
-  switch (dtype) {
-    case DType::Float32: return decide_kernel_waits<float>();
-    case DType::BFloat16: return decide_kernel_waits<BFloat16>();
-    case DType::Float16: return decide_kernel_waits<Float16>();
-  }
-  return false;
+  return with_logits_type(dtype, false, [](auto t) { return decide_kernel_waits<decltype(t)>(); });
 }
 
 // FSD_EXT_CUDA_SPLITS=n (benchmarks and tests, read on every call): the unstaged, unfiltered paths
@@ -69,12 +76,7 @@ int64_t splits_requested() {
 
 template <bool kStaged>
 bool cluster_fits_dtype(DType dtype, int64_t cluster, size_t bytes) {
-  switch (dtype) {
-    case DType::Float32: return cluster_fits<float, kStaged>(cluster, bytes);
-    case DType::BFloat16: return cluster_fits<BFloat16, kStaged>(cluster, bytes);
-    case DType::Float16: return cluster_fits<Float16, kStaged>(cluster, bytes);
-  }
-  return false;
+  return with_logits_type(dtype, false, [&](auto t) { return cluster_fits<decltype(t), kStaged>(cluster, bytes); });
 }
 
 // The vocabulary chunk of each of `n` cluster blocks (a multiple of 64 ids).
@@ -181,12 +183,9 @@ cudaError_t launch_accept(const AcceptProblem& problem, void* workspace, size_t 
                  (long long)plan.splits, (long long)plan.chunk, plan.stage_bytes, (int)plan.dependent_launch);
   }
   char* base = static_cast<char*>(workspace);
-  switch (problem.dtype) {
-    case DType::Float32: return launch_accept_typed<float>(problem, plan, base, stream);
-    case DType::BFloat16: return launch_accept_typed<BFloat16>(problem, plan, base, stream);
-    case DType::Float16: return launch_accept_typed<Float16>(problem, plan, base, stream);
-  }
-  return cudaErrorInvalidValue;
+  return with_logits_type(problem.dtype, cudaErrorInvalidValue, [&](auto t) {
+    return launch_accept_typed<decltype(t)>(problem, plan, base, stream);
+  });
 }
 
 }  // namespace cuda

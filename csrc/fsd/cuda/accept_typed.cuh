@@ -10,21 +10,28 @@
 namespace fsd {
 namespace cuda {
 
-// Launch configuration of the cluster kernels: clusters of `cluster` blocks along x.
-inline cudaLaunchConfig_t cluster_config(unsigned grid, int64_t cluster, size_t bytes, cudaStream_t stream,
-                                        cudaLaunchAttribute* attribute) {
+// Launch configuration of `grid` blocks of kThreads with one launch attribute (which the caller
+// keeps alive until the launch).
+inline cudaLaunchConfig_t attributed_config(unsigned grid, size_t bytes, cudaStream_t stream,
+                                            cudaLaunchAttribute* attribute) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(grid);
   config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = bytes;
   config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return config;
+}
+
+// The cluster kernels: clusters of `cluster` blocks along x.
+inline cudaLaunchConfig_t cluster_config(unsigned grid, int64_t cluster, size_t bytes, cudaStream_t stream,
+                                        cudaLaunchAttribute* attribute) {
   attribute->id = cudaLaunchAttributeClusterDimension;
   attribute->val.clusterDim.x = (unsigned)cluster;
   attribute->val.clusterDim.y = 1;
   attribute->val.clusterDim.z = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  return config;
+  return attributed_config(grid, bytes, stream, attribute);
 }
 
 // Whether a cluster of `cluster` blocks of accept_cluster_kernel<T, kStaged> with `bytes` of staged
@@ -117,15 +124,10 @@ cudaError_t launch_accept_typed(const AcceptProblem& pb, const AcceptPlan& plan,
     accept_stats_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(pb, ws);
     FSD_CUDA_CHECK(cudaGetLastError());
     if (plan.dependent_launch) {
-      cudaLaunchConfig_t config = {};
-      config.gridDim = dim3(grid);
-      config.blockDim = dim3(kThreads);
-      config.stream = stream;
       cudaLaunchAttribute attribute;
       attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
       attribute.val.programmaticStreamSerializationAllowed = 1;
-      config.attrs = &attribute;
-      config.numAttrs = 1;
+      const cudaLaunchConfig_t config = attributed_config(grid, 0, stream, &attribute);
       FSD_CUDA_CHECK(cudaLaunchKernelEx(&config, accept_decide_kernel<T>, pb, ws));
     } else {
       accept_decide_kernel<T><<<grid, kThreads, 0, stream>>>(pb, ws);
