@@ -8,10 +8,12 @@
 // or holds a NaN or an infinity. Pass 2 has a plain path for the default configuration (no filter
 // cut, no one-hot row, no top-k buckets, the divergence compares the sampling distributions) that
 // works in log2 units: a subtraction and an FFMA per log-probability, one SFU exponential per
-// probability and one logarithm per id for js / mkl. (One difference from the float64 reference
-// at the edge of the float range: with a +inf logit, which counts as FLT_MAX, the other ids' log2 p
-// overflows to -inf, so rkl / mkl come out +inf where the reference's double sum stays near 3e38;
-// the general path did the same below temperature 1. Either is far above any threshold.)
+// probability (kl, rkl, tv); js / mkl take the larger probability and the ratio of the two from the
+// SFU and add one SFU logarithm of a value in [1, 2] (no logarithm of a probability: js_mkl_add).
+// (One difference from the float64 reference at the edge of the float range: with a +inf logit,
+// which counts as FLT_MAX, the other ids' log2 p overflows to -inf, so rkl / mkl come out +inf where
+// the reference's double sum stays near 3e38; the general path did the same below temperature 1.
+// Either is far above any threshold.)
 //
 // Host-compilable (FSD_INLINE; the SFU instructions fall back to libm off the GPU), so that
 // csrc/fsd/tests/test_streaming.cu checks this arithmetic against double-precision sums without a
@@ -50,13 +52,17 @@ FSD_INLINE float fast_exp2(float x) {
 // e^x as 2^(x log2 e): relative error about 2^-22 plus |x| 2^-24 (from the product).
 FSD_INLINE float fast_exp(float x) { return fast_exp2(x * kLog2e); }
 
-// log2 x for the js / mkl midpoint, correctly rounded to about 1 ulp (log2f, not the SFU's
-// lg2.approx): the term p (lp - lm) subtracts two logs of similar size, and lg2.approx's error
-// (2 ulp of |lm|, up to 2^-18 for lm near -17) summed over a flat row can reach 1e-6, the tolerance
-// the CUDA tests hold the divergences to.
-struct Log2 {
-  FSD_INLINE float operator()(float x) const { return log2f(x); }
-};
+// log2 x on the special-function unit (lg2.approx.ftz): for x in [1, 2], the only arguments js_mkl_add
+// passes, its absolute error is at most 2^-22 (CUDA Programming Guide, __log2f).
+FSD_INLINE float fast_log2(float x) {
+#ifdef __CUDA_ARCH__
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+#else
+  return std::log2(x);
+#endif
+}
 
 // The larger of a and b, NaN when either is NaN (one instruction from sm_80).
 FSD_INLINE float max_nan(float a, float b) {
@@ -203,22 +209,66 @@ FSD_INLINE PlainPair plain_pair(float max_t, float inv_t, double sum_t, float ma
   return PlainPair{max_t, max_d, log2_scale(inv_t), log2_scale(inv_d), (float)::log2(sum_t), (float)::log2(sum_d)};
 }
 
-// What one unit of a term adds in nats: the log-based divergences are summed in bits.
+// What one unit of a term adds in nats: the log-based divergences are summed in bits, and js / mkl
+// (js_mkl_add) leave out their factor 1/2 per term.
 template <Divergence D>
 constexpr double plain_term_unit() {
-  return D == Divergence::TV ? 1.0 : kLn2;
+  return D == Divergence::TV ? 1.0 : (D == Divergence::JS || D == Divergence::MKL) ? 0.5 * kLn2 : kLn2;
 }
 
-// Adds one id's divergence term (in bits) and residual max(0, p - q). zd is -inf beyond the draft
-// vocabulary (q = 0 there).
+// Twice the js / mkl term of one id, in bits, with hi = max(lp, lq), d = min(lp, lq) - hi <= 0 and
+// r = 2^d, so that the midpoint m = (p + q) / 2 = 2^hi (1 + r) / 2 and
+//   log2(m) = hi + L - 1,  L = log2(1 + r) in [0, 1]:
+//   js:  p log2(p / m) + q log2(q / m) = (p + q) (1 - L) + min(p, q) d
+//   mkl: m (2 log2 m - lp - lq)        = (p + q) (L - 1 - d / 2)
+// Only L needs a logarithm, of 1 + r in [1, 2] where the SFU's is accurate to 2^-22 in absolute
+// terms: the row's sum is then off by at most about 2^-22 bits (the weights p + q sum to 2, the
+// factor 1/2 is in the unit), where log2 of each probability (|log2 m| up to ~17 on a flat row)
+// would cost up to 17x that and lose it again in the difference lp - lm. The larger probability
+// and r come from the SFU too (min(p, q) = 2^hi r): three SFU instructions per id, no branch.
+// Also returns the residual term max(0, p - q).
+// (Log2Fn: fast_log2; test_streaming.cu passes one that errs on purpose, to bound what the SFU's
+// error does to a row's sum.)
+struct FastLog2 {
+  FSD_INLINE float operator()(float x) const { return fast_log2(x); }
+};
+template <Divergence D, typename Log2Fn = FastLog2>
+FSD_INLINE float js_mkl_add(float lp, float lq, float& residual_term, Log2Fn log2_fn = {}) {
+  const bool p_larger = lp > lq;
+  const float hi = p_larger ? lp : lq;
+  // fminf(NaN, 0) = 0: with p = q = 0 (hi = -inf) everything below comes out 0.
+  const float d = fminf((p_larger ? lq : lp) - hi, 0.0f);  // -inf when only one of them is 0
+  const float big = fast_exp2(hi), r = fast_exp2(d);
+  const float small = big * r, both = big + small;
+  residual_term = p_larger ? big - small : 0.0f;
+  const float L = log2_fn(1.0f + r);
+  // (small d: 0 when small is 0, also where d is -inf; mkl: 0 when both flushed to 0, +inf where
+  // exactly one probability is 0.)
+  if (D == Divergence::JS) return both * (1.0f - L) + small * fmaxf(d, -FLT_MAX);
+  return both > 0.0f ? both * (L - 1.0f - 0.5f * d) : 0.0f;
+}
+
+// divergence_term's logarithm for kl, rkl and tv, which never call it.
+struct NoLog {
+  FSD_INLINE float operator()(float x) const { return x; }
+};
+
+// Adds one id's divergence term (in the unit of plain_term_unit) and residual max(0, p - q). zd is
+// -inf beyond the draft vocabulary (q = 0 there).
 // (fminf clamps +inf in one instruction; it would also turn a NaN into FLT_MAX, but a row with a
 // NaN never reaches pass 2.)
-template <Divergence D, bool kDiv, bool kResidual>
-FSD_INLINE void plain_add(const PlainPair& pl, float zt, float zd, float& div, float& residual) {
+template <Divergence D, bool kDiv, bool kResidual, typename Log2Fn = FastLog2>
+FSD_INLINE void plain_add(const PlainPair& pl, float zt, float zd, float& div, float& residual, Log2Fn log2_fn = {}) {
   const float lp = fmaf(fminf(zt, FLT_MAX) - pl.max_t, pl.scale_t, -pl.lsum_t);  // log2 p
   const float lq = fmaf(fminf(zd, FLT_MAX) - pl.max_d, pl.scale_d, -pl.lsum_d);  // log2 q (-inf: q = 0)
+  if (kDiv && (D == Divergence::JS || D == Divergence::MKL)) {
+    float residual_term;
+    div += js_mkl_add<D>(lp, lq, residual_term, log2_fn);
+    if (kResidual) residual += residual_term;
+    return;
+  }
   const float pp = fast_exp2(lp), qq = fast_exp2(lq);
-  if (kDiv) div += divergence_term<D, float>(pp, lp, qq, lq, Log2{});
+  if (kDiv) div += divergence_term<D, float>(pp, lp, qq, lq, NoLog{});
   if (kResidual) residual += pp > qq ? pp - qq : 0.0f;
 }
 

@@ -187,15 +187,15 @@ void reference_pass_two(Divergence kind, const std::vector<float>& target, const
 }
 
 // The kernel's accumulation: float partials over 256 ids, flushed to double (in nats).
-template <Divergence D>
+template <Divergence D, typename Log2Fn = FastLog2>
 void emulated_pass_two(const std::vector<float>& target, const std::vector<float>& draft, const Softmax& p,
-                       const Softmax& q, double& div, double& residual) {
+                       const Softmax& q, double& div, double& residual, Log2Fn log2_fn = {}) {
   const PlainPair pair = plain_pair(p.max, p.inv, p.sum, q.max, q.inv, q.sum);
   div = residual = 0.0;
   float part_div = 0.0f, part_residual = 0.0f;
   for (size_t j = 0; j < target.size(); ++j) {
     const float zd = j < draft.size() ? draft[j] : -INFINITY;
-    plain_add<D, true, true>(pair, target[j], zd, part_div, part_residual);
+    plain_add<D, true, true>(pair, target[j], zd, part_div, part_residual, log2_fn);
     if (j % 256 == 255 || j + 1 == target.size()) {
       div += part_div * plain_term_unit<D>();
       residual += part_residual;
@@ -277,11 +277,62 @@ void test_pass_two() {
   EXPECT(close(got, want, 1e-5, 1e-7) && !close(got / kLn2, want, 1e-5, 1e-7));
 }
 
+// js / mkl take one logarithm per id, of 1 + r in [1, 2], on the SFU (absolute error <= 2^-22
+// there). A logarithm that errs by that much in the same direction on every id of a long flat row
+// (the worst case: every id's weight counts) keeps the sums within the CUDA tests' tolerance
+// (rtol 1e-5, atol 1e-6); one that errs by 2^-17 does not (the check can fail).
+struct ErringLog2 {
+  float error;
+  FSD_INLINE float operator()(float x) const { return std::log2(x) + error; }
+};
+
+bool log_error_tolerated(Divergence kind, const std::vector<float>& target, const std::vector<float>& draft,
+                         float error) {
+  const Softmax p = softmax_of(target, 1.0f), q = softmax_of(draft, 1.0f);
+  double want, want_residual, got, got_residual;
+  reference_pass_two(kind, target, draft, p, q, want, want_residual);
+  if (kind == Divergence::JS) emulated_pass_two<Divergence::JS>(target, draft, p, q, got, got_residual, ErringLog2{error});
+  else emulated_pass_two<Divergence::MKL>(target, draft, p, q, got, got_residual, ErringLog2{error});
+  return close(got, want, 1e-5, 1e-6);
+}
+
+// js_mkl_add at its edges: both probabilities 0; one 0; the larger one flushed to 0 by the SFU
+// while the other is 0 (below the float range: the term is 0, not NaN).
+void test_js_mkl_edges() {
+  float residual = -1.0f;
+  EXPECT(js_mkl_add<Divergence::JS>(-INFINITY, -INFINITY, residual) == 0.0f && residual == 0.0f);
+  EXPECT(js_mkl_add<Divergence::MKL>(-INFINITY, -INFINITY, residual) == 0.0f && residual == 0.0f);
+  EXPECT(js_mkl_add<Divergence::JS>(-1.0f, -INFINITY, residual) == 0.5f && residual == 0.5f);  // p log2(2)
+  EXPECT(js_mkl_add<Divergence::JS>(-INFINITY, -1.0f, residual) == 0.5f && residual == 0.0f);
+  EXPECT(std::isinf(js_mkl_add<Divergence::MKL>(-1.0f, -INFINITY, residual)));
+  EXPECT(js_mkl_add<Divergence::MKL>(-300.0f, -INFINITY, residual) == 0.0f && residual == 0.0f);
+  EXPECT(js_mkl_add<Divergence::JS>(-300.0f, -INFINITY, residual) == 0.0f);
+  EXPECT(js_mkl_add<Divergence::JS>(-2.0f, -2.0f, residual) == 0.0f && residual == 0.0f);  // p == q
+}
+
+void test_js_mkl_log_error() {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> noise(0.0f, 0.05f);
+  const int n = 151936;  // a flat row: log2 m near -17 on every id
+  std::vector<float> target(n), draft(n);
+  for (int j = 0; j < n; ++j) {
+    target[j] = noise(rng);
+    draft[j] = noise(rng);
+  }
+  const float sfu = std::ldexp(1.0f, -22);
+  for (Divergence kind : {Divergence::JS, Divergence::MKL}) {
+    EXPECT(log_error_tolerated(kind, target, draft, sfu));
+    EXPECT(log_error_tolerated(kind, target, draft, -sfu));
+    EXPECT(!log_error_tolerated(kind, target, draft, std::ldexp(1.0f, -17)));  // negative control
+  }
+}
+
 // The SFU stand-ins at their edges (the device instructions behave the same way there).
 void test_fast_functions() {
   EXPECT(fast_exp2(-INFINITY) == 0.0f && fast_exp2(0.0f) == 1.0f && fast_exp2(-130.0f) == 0.0f);
   EXPECT(std::isnan(max_nan(1.0f, NAN)) && std::isnan(max_nan(NAN, 1.0f)) && max_nan(-INFINITY, 2.0f) == 2.0f);
   EXPECT(log2_scale(FLT_MAX) == FLT_MAX && log2_scale(1.0f) == kLog2e);
+  EXPECT(fast_log2(1.0f) == 0.0f && fast_log2(2.0f) == 1.0f);
 }
 
 }  // namespace
@@ -290,5 +341,7 @@ int main() {
   test_fast_functions();
   test_statistics();
   test_pass_two();
+  test_js_mkl_edges();
+  test_js_mkl_log_error();
   return fsd_test::verdict("test_streaming");
 }
