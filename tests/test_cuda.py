@@ -173,7 +173,7 @@ def test_split_vocab_path_matches_reference(fops, rule, dtype):
     assert agreement(cuda, ref) == 1.0
     assert not bool(cuda.valid[5])
     torch.testing.assert_close(cuda.divergence, ref.divergence, rtol=1e-5, atol=1e-6, equal_nan=True)
-    if rule == "sd":  # without divergences: accepted positions skip pass 2 (sd decides early)
+    if rule in ("sd", "fsd"):  # without divergences: coin-accepted positions skip pass 2
         kw.pop("return_divergence")
         cuda, ref = run_accept(fops, "cuda", target, draft, tokens, **kw), reference.accept(target, draft, tokens, **kw)
         assert agreement(cuda, ref) == 1.0
@@ -193,6 +193,48 @@ def test_requested_splits_agree_with_reference(fops, monkeypatch, capfd, splits,
         ref = reference.accept(target, draft, tokens, **kw)
         assert agreement(cuda, ref) == 1.0, rule
         torch.testing.assert_close(cuda.divergence, ref.divergence, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+def raw_accept_divergence(target, draft, tokens, nd, rule, threshold, temperature, seed, return_divergence):
+    """The op's divergence output as the kernel left it (fsd_ext.accept hides it unless
+    return_divergence), with js and every filter off."""
+    out = torch.ops.fsd_ext.accept.default(
+        target, draft, tokens, nd, None, threshold, None, temperature, None, 1.0, False, None, seed, False,
+        None, 0, RULES.index(rule), DIVERGENCES.index("js"), 0, 1.0, 0.0, 0, return_divergence)
+    return out[3].cpu()
+
+
+@pytest.mark.parametrize("splits,path", [(1, "fused"), (4, "split")])
+def test_fsd_coin_accepted_positions_skip_pass_two(fops, monkeypatch, capfd, splits, path):
+    # fsd without return_divergence: a position whose coin accepts (u q(d) <= p(d)) is accepted
+    # whatever D is, so the kernel skips its pass 2 and leaves D NaN; every other used position's D
+    # is computed. The tokens equal the reference's, and asking for the divergences computes all.
+    monkeypatch.setenv("FSD_EXT_CUDA_STAGED", "0")
+    monkeypatch.setenv("FSD_EXT_CUDA_SPLITS", str(splits))
+    batch, k, vocab, tau, seed = 48, 4, 20001, 0.9, 13
+    target, draft, tokens, nd = make_case(batch, k, vocab, 19999, dtype=torch.bfloat16, seed=23, num_draft=True)
+    args = (target.cuda(), draft.cuda(), tokens.cuda(), nd.cuda())
+    assert accept_path(fops, capfd, *args[:3], rule="fsd", seed=1) == path
+    skipped = raw_accept_divergence(*args, "fsd", 0.2, tau, seed, False)
+    full = raw_accept_divergence(*args, "fsd", 0.2, tau, seed, True)
+    ref = reference.accept(target, draft, tokens, rule="fsd", divergence="js", threshold=0.2, temperature=tau,
+                           seed=seed, num_draft=nd, return_divergence=True)
+    torch.testing.assert_close(full, ref.divergence, rtol=1e-5, atol=1e-6, equal_nan=True)
+    # The coins the kernel flips (float64, as in the kernel's decision).
+    logp = (target[:, :k].double() / tau).log_softmax(-1)
+    logq = torch.nn.functional.pad(draft.double() / tau, (0, vocab - 19999), value=-math.inf).log_softmax(-1)
+    d = tokens[..., None]
+    coins = reference.philox_uniforms(seed, 0, batch, k, 1)
+    coin_accepts = coins * logq.gather(-1, d)[..., 0].exp() <= logp.gather(-1, d)[..., 0].exp()
+    used = torch.arange(k)[None, :] < nd[:, None]
+    assert bool((skipped.isnan() == (coin_accepts | ~used)).all())
+    assert 0 < int((coin_accepts & used).sum()) < int(used.sum())  # both kinds of position occur
+    kept = used & ~coin_accepts
+    torch.testing.assert_close(skipped[kept], full[kept])
+    for return_divergence in (False, True):
+        cuda = run_accept(fops, "cuda", target, draft, tokens, rule="fsd", threshold=0.2, temperature=tau, seed=seed,
+                          num_draft=nd, return_divergence=return_divergence)
+        assert agreement(cuda, ref) == 1.0
 
 
 @pytest.mark.parametrize("filters", [dict(top_k=20), dict(top_p=0.8), dict(min_p=0.05),
@@ -545,7 +587,7 @@ def check_cluster_case(fops, rule, case):
     if batch > 4:
         assert not bool(cuda.valid[3])
     assert int(cuda.tokens.max()) < vocab
-    if rule == "sd":  # without divergences: accepted positions skip pass 2 (sd decides early)
+    if rule in ("sd", "fsd"):  # without divergences: coin-accepted positions skip pass 2
         kw.pop("return_divergence")
         cuda, ref = run_accept(fops, "cuda", target, draft, tokens, **kw), reference.accept(target, draft, tokens, **kw)
         assert agreement(cuda, ref) >= (0.97 if batch >= 40 else 1.0)

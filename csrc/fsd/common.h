@@ -111,6 +111,9 @@ struct AcceptProblem {
   bool* valid = nullptr;            // [B]
   float* divergences = nullptr;     // [B, K]; NaN past num_draft, on invalid rows, and everywhere
   bool need_divergence = true;      // when false (no rule or caller needs D): all NaN, not computed
+  bool divergences_wanted = false;  // the caller reads `divergences` (return_divergence); when not,
+                                    // a kernel may skip (and leave NaN) the D of a position that an
+                                    // fsd coin accepts, since nothing else reads it
 
 #ifdef FSD_CUDA_TRACE
   // A device fsd::cuda::TraceSink for the kernels' phase trace, or nullptr (csrc/fsd/cuda/trace.cuh;

@@ -205,6 +205,7 @@ inline fsd::AcceptProblem make_accept_problem(const AcceptArgs& a, AcceptOutputs
   p.valid = out.valid.data_ptr<bool>();
   p.divergences = out.divergence.data_ptr<float>();
   p.need_divergence = a.return_divergence || fsd::rule_needs_divergence(p.rule);
+  p.divergences_wanted = a.return_divergence;
   return p;
 }
 

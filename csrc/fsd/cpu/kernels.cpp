@@ -124,6 +124,13 @@ struct AcceptKernel {
     d = row_stats(draft_row(b, i), pb.draft_vocab, tau, pb.filter, scratch.filter, need_sampling,
                   draft_exps);
     if (!pb.need_divergence || t.bad || d.bad) return;
+    if (coin_acceptance_settles(pb.rule, pb.divergences_wanted)) {
+      const int64_t token = draft_token(b, i);
+      if (token >= 0 && token < pb.draft_vocab && coin_accepts(b, i, token)) {
+        pb.divergences[b * k + i] = kNaN;  // accepted whatever D_i is: row() flips the same coin
+        return;
+      }
+    }
     const float div_tau = pb.div_temperature.at(b);
     const Dist p = divergence_dist(target_row(b, i), pb.target_vocab, t, pb.div_uses_sampling, div_tau,
                                    target_exps);
@@ -132,6 +139,24 @@ struct AcceptKernel {
     pb.divergences[b * k + i] = divergence(pb.divergence, target_row(b, i), pb.target_vocab, p,
                                            draft_row(b, i), pb.draft_vocab, q, pb.div_top_k,
                                            scratch.filter, target_exps, draft_exps);
+  }
+
+  // p_i(d_i) and q_i(d_i) (sampling distributions; 0 under the greedy rule, which never reads them)
+  // and the coin u_i of position i's acceptance decision.
+  struct Coin {
+    double p_token, q_token, u;
+  };
+  Coin coin(int64_t b, int64_t i, int64_t token) const {
+    const RowStats& t = target_stats[b * (pb.max_draft + 1) + i];
+    const RowStats& d = draft_stats[b * pb.max_draft + i];
+    const bool greedy_rule = pb.rule == Rule::Greedy;
+    const double p_token = greedy_rule ? 0.0 : std::exp(t.sample.log_prob(load_logit(target_row(b, i), token), token));
+    const double q_token = greedy_rule ? 0.0 : std::exp(d.sample.log_prob(load_logit(draft_row(b, i), token), token));
+    return Coin{p_token, q_token, draw_uniform(pb.key, b, i, Purpose::Accept)};
+  }
+  bool coin_accepts(int64_t b, int64_t i, int64_t token) const {
+    const Coin c = coin(b, i, token);
+    return accept_draft(Rule::SD, kNaN, 0.0f, c.u, c.p_token, c.q_token, false);
   }
 
   bool row_valid(int64_t b) const {
@@ -198,17 +223,10 @@ struct AcceptKernel {
     int64_t accepted = 0;
     for (; accepted < used; ++accepted) {
       const int64_t i = accepted, token = draft_token(b, i);
-      const RowStats& t = target_stats[b * (k + 1) + i];
-      const RowStats& d = draft_stats[b * k + i];
-      const bool greedy_rule = pb.rule == Rule::Greedy;
-      const bool is_argmax = greedy_rule && token == target_argmax(b, i);
-      const double p_token =
-          greedy_rule ? 0.0 : std::exp(t.sample.log_prob(load_logit(target_row(b, i), token), token));
-      const double q_token =
-          greedy_rule ? 0.0 : std::exp(d.sample.log_prob(load_logit(draft_row(b, i), token), token));
-      const double coin = draw_uniform(pb.key, b, i, Purpose::Accept);
+      const bool is_argmax = pb.rule == Rule::Greedy && token == target_argmax(b, i);
+      const Coin c = coin(b, i, token);
       const float div = pb.need_divergence ? pb.divergences[b * k + i] : kNaN;
-      if (!accept_draft(pb.rule, div, threshold, coin, p_token, q_token, is_argmax)) break;
+      if (!accept_draft(pb.rule, div, threshold, c.u, c.p_token, c.q_token, is_argmax)) break;
       tokens[i] = token;
     }
     const Emit emit = accepted < used ? correction_emit(pb.rule) : bonus_emit(pb.rule);

@@ -10,7 +10,8 @@
 //       NaN / finite flags); with filters, the cutoffs, kept sums and the div_top_k threshold.
 //   decision, per (row, position, chunk): the full-row distributions from the chunk statistics,
 //       then one pass over the chunk for the divergence terms and the residual mass (skipped
-//       under sd, without divergences, where the coin already accepts the draft). The last block
+//       where the coin already accepts the draft under sd or fsd and the caller does not read the
+//       divergences: rules.h, coin_acceptance_settles). The last block
 //       of a row to finish (atomic counter) sums the chunk results, runs the acceptance scan
 //       (rules.h) and draws the one correction / bonus token by inverse CDF: chunk totals first,
 //       then a block scan inside the chosen chunk.
@@ -285,7 +286,8 @@ __device__ __forceinline__ Dist divergence_dist(const FullStat& s, const RowTemp
 
 // The acceptance decision of draft position i of row b (rules.h) from its sampling distributions p,
 // q, the target's argmax and the divergence; the draft id must be inside the draft vocabulary.
-// finish_row and decide_position (sd: decided before pass 2) share it, so they always agree.
+// finish_row and decide_position (a coin that settles a position before pass 2) share it, so they
+// always agree.
 template <typename T>
 __device__ __forceinline__ bool position_accepts(const AcceptProblem& pb, int64_t b, int64_t i, const Dist& p,
                                                  const Dist& q, int32_t argmax_t, float divergence) {
@@ -294,6 +296,12 @@ __device__ __forceinline__ bool position_accepts(const AcceptProblem& pb, int64_
   const double q_token = exp(q.log_prob_precise(load_logit(draft_row<T>(pb, b, i) + token), token));
   const double coin = draw_uniform(pb.key, b, i, Purpose::Accept);
   return accept_draft(pb.rule, divergence, pb.threshold.at(b), coin, p_token, q_token, token == argmax_t);
+}
+
+// The pass-2 record of a chunk whose position skipped pass 2: D_i reads NaN.
+__device__ __forceinline__ PassTwo skipped_pass_two() {
+  const double nan = __longlong_as_double(0x7FF8000000000000LL);
+  return PassTwo{nan, nan, nan, nan};
 }
 
 enum SampleMode : int32_t { kModeDone = 0, kModeTarget = 1, kModeResidual = 2 };
@@ -356,7 +364,8 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
         sums.rest_p = warp_sum_chunks(splits, [&](int64_t c) { return __ldcg(&parts[c].rest_p); });
         sums.rest_q = warp_sum_chunks(splits, [&](int64_t c) { return __ldcg(&parts[c].rest_q); });
       }
-      if ((threadIdx.x & 31) == 0) pb.divergences[b * k + i] = finish_pass_two(pb.divergence, sums, bucketed);
+      if ((threadIdx.x & 31) == 0)  // (NaN: pass 2 was skipped, a coin accepts the position)
+        pb.divergences[b * k + i] = sums.div == sums.div ? finish_pass_two(pb.divergence, sums, bucketed) : kNaN;
     }
   }
   __syncthreads();
@@ -490,7 +499,7 @@ struct DecideShared {
   Dist dists[4];  // p, q, pd, qd
   TopBuckets top;
   int32_t good;
-  bool accepted_early;  // sd: this position is accepted whatever pass 2 finds, so pass 2 is skipped
+  bool accepted_early;  // this position is accepted whatever pass 2 finds, so pass 2 is skipped
   bool last_block;
   union {
     typename cub::BlockReduce<PassTwo, kThreads>::TempStorage reduce;
@@ -533,15 +542,18 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
         }
         sh.top = t;
         if (c == 0) ws.positions[b * positions + i] = PositionInfo{p, q, st_t.flags, st_d.flags, st_t.argmax, 0};
-        // sd decides from p and q alone; pass 2 is only for the residual, which only a rejected
-        // position samples. (fsd needs every divergence; its residual shares pass 2's exps.)
+        // A position whose coin accepts the draft is accepted whatever pass 2 finds (sd, and fsd
+        // without returned divergences: rules.h), and its residual is never sampled: pass 2 is
+        // skipped. finish_row then sees D_i = NaN and flips the same coin.
         bool accepted_early = false;
-        if (pb.rule == Rule::SD && !pb.need_divergence && i < nd && sh.good) {
+        if (coin_acceptance_settles(pb.rule, pb.divergences_wanted) && i < nd && sh.good) {
           const int64_t token = draft_token(pb, b, i);
           if (token >= 0 && token < pb.draft_vocab)
             accepted_early = position_accepts<T>(pb, b, i, p, q, st_t.argmax, __int_as_float(0x7FC00000));
         }
         sh.accepted_early = accepted_early;
+        if (accepted_early && pb.need_divergence)  // D_i not computed: finish_row writes NaN
+          ws.pass_two[(b * positions + i) * splits + c] = skipped_pass_two();
       }
     }
     __syncthreads();

@@ -250,7 +250,11 @@ void fuzz_accept(Rng& rng, int iteration) {
   p.num_accepted = accepted.data();
   p.valid = valid.get();
   p.divergences = divergences.data();
-  p.need_divergence = rng.uniform() < 0.5 || fsd::rule_needs_divergence(p.rule);
+  p.divergences_wanted = rng.uniform() < 0.5;
+  p.need_divergence = p.divergences_wanted || fsd::rule_needs_divergence(p.rule);
+  // Without divergences_wanted, sd / fsd leave D_i NaN where the coin accepts: such a position is
+  // accepted whenever it is reached, so it is never the first rejection.
+  const bool coin_settles = fsd::coin_acceptance_settles(p.rule, p.divergences_wanted);
   if (rng.uniform() < 0.3) fsd::cpu::accept(p, thread_for); else fsd::cpu::accept(p);
 
   for (int64_t b = 0; b < batch; ++b) {
@@ -269,8 +273,13 @@ void fuzz_accept(Rng& rng, int iteration) {
             (long)i, (long)row[i], (long)n, valid[b]);
       if (valid[b] && i < n) CHECK(row[i] == tokens64[b * k + i], "iteration %d: accepted token differs from draft", iteration);
       if (i < k && !(valid[b] && i < used)) CHECK(std::isnan(divergences[b * k + i]), "iteration %d: divergence not NaN", iteration);
-      if (i < k && valid[b] && i < used && p.need_divergence)
-        CHECK(divergences[b * k + i] >= 0.0f, "iteration %d: divergence %g", iteration, divergences[b * k + i]);
+      if (i < k && valid[b] && i < used && p.need_divergence) {
+        const float div = divergences[b * k + i];
+        if (coin_settles && std::isnan(div))
+          CHECK(i != n, "iteration %d row %ld: the first rejection %ld has no divergence", iteration, (long)b, (long)i);
+        else
+          CHECK(div >= 0.0f, "iteration %d: divergence %g", iteration, div);
+      }
     }
     if (valid[b] && n <= k && row[n] >= 0) {
       CHECK(target.at(b * (k + 1) + n, row[n]) > -kInf, "iteration %d row %ld: emitted a token of probability 0", iteration, (long)b);
