@@ -35,6 +35,9 @@ SHAPES = [
     ("B1 K5 V151936 bf16 fsd/js", 1, 5, 151936, torch.bfloat16, {}),
     ("B8 K4 V152064 f16 fsd/kl", 8, 4, 152064, torch.float16, {"divergence": "kl"}),
     ("B32 K4 V32001 f32 fsd/js", 32, 4, 32001, torch.float32, {}),
+    # fsd when the caller also reads the divergences: every used position runs the second pass (without
+    # them, a position whose coin accepts skips it; the "coin-accepted" column says how many do).
+    ("B64 K5 V128256 bf16 fsd/js +divergences", 64, 5, 128256, torch.bfloat16, {"return_divergence": True}),
     ("B16 K5 V128256 bf16 top_p=0.9", 16, 5, 128256, torch.bfloat16, {"top_p": 0.9}),
     # Diagnostics (no eager baseline, not in the targets): greedy needs only the statistics pass and
     # the argmax, so against fsd / sd above it shows what the second pass and the sampling cost.
@@ -208,6 +211,19 @@ def make_inputs(batch, k, vocab, dtype):
     return target, draft, tokens, coins, uniforms
 
 
+def coin_accepted_pct(target, draft, tokens, seed, extra):
+    """Percentage of draft positions whose coin accepts (u q(d) <= p(d), temperature 1): under sd,
+    and fsd without returned divergences, these skip the kernels' second pass, so a shape's time
+    depends on it. None for a filtered shape (not computed here)."""
+    if any(extra.get(name) is not None for name in ("top_k", "top_p", "min_p")):
+        return None
+    k = draft.shape[1]
+    at_drafts = lambda logits: logits.float().log_softmax(-1).gather(-1, tokens[..., None])[..., 0].double().exp()  # noqa: E731
+    p, q = at_drafts(target[:, :k]), at_drafts(draft)  # [B, K]
+    coins = ops.philox_uniforms(seed, 0, draft.shape[0], k, "accept")
+    return 100.0 * (coins * q <= p).double().mean().item()
+
+
 def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, staged, variants):
     """The kernels' times on one shape (planner, staged, the launcher switch `variants`, e.g.
     ["SPLITS=8", "PDL=1"]) and the eager step's."""
@@ -253,6 +269,7 @@ def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, staged, variants)
         "torch_compile_note": "not run",
         "speedup_vs_eager": ref_us / best_us if ref_us else None,
         "speedup_vs_compile": None,
+        "coin_accepted_pct": coin_accepted_pct(target, draft, tokens, seed, extra),
     }
 
 
@@ -285,8 +302,9 @@ def summarize(results):
 
     # "graph us": one call per replay; "/ N": per step of a graph holding N calls.
     header = (f"| shape | path | eager us | graph us / {GRAPH_STEPS} | staged eager us | staged graph us / {GRAPH_STEPS} | "
-              "GB/s (best) | % copy BW (default / staged) | torch eager us | torch.compile us | x eager | x compile |")
-    lines = [header, "|" + "---|" * 12]
+              "GB/s (best) | % copy BW (default / staged) | torch eager us | torch.compile us | x eager | x compile | "
+              "coin-accepted |")
+    lines = [header, "|" + "---|" * 13]
     for r in results:
         paths = r["path"] + (f" / {r['staged_request_path']}" if r["staged_request_path"] else "")
         lines.append(f"| {r['shape']} | {paths} | {r['eager_us']:.1f} | {r['graph_us']:.1f} / {r['graph_steps_us']:.1f} | "
@@ -294,7 +312,7 @@ def summarize(results):
                      f"{r['gbs']:.0f} | "
                      f"{r['default_pct_copy_bw']:.0f}% / {fmt(r['staged_pct_copy_bw'], '.0f%')} | "
                      f"{fmt(r['torch_eager_us'])} | {fmt(r['torch_compile_us'])} | {fmt(r['speedup_vs_eager'])} | "
-                     f"{fmt(r['speedup_vs_compile'])} |")
+                     f"{fmt(r['speedup_vs_compile'])} | {fmt(r.get('coin_accepted_pct'), '.0f%')} |")
     variants = list(dict.fromkeys(n for r in results for n in r.get("switch_variants", {})))
     def times(r):  # "eager / graph / graph of GRAPH_STEPS steps" us
         return f"{r['eager_us']:.1f} / {r['graph_us']:.1f} / {r['graph_steps_us']:.1f}"

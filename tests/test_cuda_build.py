@@ -120,6 +120,25 @@ def test_gpu_benchmark_eager_step_is_the_reference_step(extra):
     assert not (torch.equal(n_wrong, ref.num_accepted) and torch.equal(pick_wrong, pick))
 
 
+def test_gpu_benchmark_coin_accepted_column():
+    """The benchmark's "coin-accepted" column (positions that skip the second pass under sd / fsd) is
+    the rate at which sd accepts a one-token draft with the kernels' coins; none for a filtered shape."""
+    import fsd_ext
+
+    bench = load_gpu_benchmark()
+    g = torch.Generator().manual_seed(5)
+    target = torch.randn(400, 2, 50, generator=g) * 2
+    draft = target[:, :1] + torch.randn(400, 1, 50, generator=g)
+    tokens = torch.randint(0, 50, (400, 1), generator=g)
+    seed = torch.tensor(1, dtype=torch.int64)
+    pct = bench.coin_accepted_pct(target, draft, tokens, seed, {})
+    sd = fsd_ext.accept(target, draft, tokens, rule="sd", seed=seed, offset=0)
+    assert pct == pytest.approx(100.0 * sd.num_accepted.double().mean().item())
+    assert 10.0 < pct < 90.0
+    assert pct != pytest.approx(bench.coin_accepted_pct(target, draft, tokens.flip(0), seed, {}))  # it can fail
+    assert bench.coin_accepted_pct(target, draft, tokens, seed, {"top_p": 0.9}) is None
+
+
 def test_gpu_benchmark_summary_table():
     """benchmarks/bench_accept_cuda.py's table and target verdicts (its GPU part cannot run here)."""
     bench = load_gpu_benchmark()
@@ -150,6 +169,9 @@ def test_gpu_benchmark_summary_table():
     assert "| FSD_EXT_CUDA_SPLITS=8 |" in table and "| B64 | fused 50.0 / 48.0 / 45.0 | split 30.0 / 29.5 / 25.0 |" in table
     assert "| B64 | fused 50.0 / 48.0 / 45.0 | n/a |" in table
     assert "| B64 greedy [diagnostic] | fused / staged |" in table and table.count("| n/a | n/a | n/a |") == 1
+    assert all(line.endswith("| n/a |") for line in table.splitlines()[2:6])  # no coin-accepted rate given
+    table, _ = bench.summarize([dict(row, coin_accepted_pct=87.4)] * 3)
+    assert table.splitlines()[2].endswith("| 22.5 | n/a | 87% |")
     assert all(targets.values())
 
 
