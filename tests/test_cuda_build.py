@@ -120,6 +120,62 @@ def test_gpu_benchmark_eager_step_is_the_reference_step(extra):
     assert not (torch.equal(n_wrong, ref.num_accepted) and torch.equal(pick_wrong, pick))
 
 
+SASS_LISTING = """
+        Function : census_pass_two_bf16_js
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   LDG.E.128.CONSTANT R4, desc[UR4][R2.64] ;
+        /*0020*/                   MUFU.EX2 R5, R5 ;
+        /*0030*/                   FADD R6, R5, R6 ;
+        /*0040*/              @!P0 BRA 0x10 ;
+        /*0050*/                   BRA 0x50;
+        Function : census_stats_bf16_one_temperature
+        /*0000*/                   LDG.E.128.CONSTANT R4, desc[UR4][R2.64] ;
+        /*0010*/                   FADD R6, R5, R6 ;
+        /*0020*/              @!P0 BRA 0x0 ;
+"""
+
+
+def test_sass_census_parses_loops_and_checks_budgets():
+    """benchmarks/sass_census.py finds each kernel's loop around its 16-byte load in a cuobjdump
+    listing (not the trailing self-branch), counts per id, and --check flags a loop over budget."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sass_census", ROOT / "benchmarks" / "sass_census.py")
+    census = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(census)
+    listing = census.functions(SASS_LISTING)
+    assert set(listing) == {"census_pass_two_bf16_js", "census_stats_bf16_one_temperature"}
+    loop = census.main_loop(listing["census_pass_two_bf16_js"])
+    assert loop == ["LDG.E.128.CONSTANT R4, desc[UR4][R2.64]", "MUFU.EX2 R5, R5", "FADD R6, R5, R6", "@!P0 BRA 0x10"]
+    assert len(census.main_loop(listing["census_stats_bf16_one_temperature"])) == 3
+    with pytest.raises(RuntimeError):
+        census.main_loop([(0, "FADD R1, R1, R1"), (16, "BRA 0x0")])  # a loop without a 16-byte load
+    rows = [dict(kernel=name, instructions_per_id=limit) for name, limit in census.BUDGETS.items()]
+    assert census.over_budget(rows) == []
+    rows[0]["instructions_per_id"] += 0.5
+    assert len(census.over_budget(rows)) == 1 and rows[0]["kernel"] in census.over_budget(rows)[0]
+    assert census.over_budget(rows[1:]) == [f"{rows[0]['kernel']}: not in the census"]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None and not pathlib.Path("/usr/local/cuda/bin/nvcc").exists(),
+                    reason="needs nvcc")
+def test_sass_census_of_this_tree_is_within_budget():
+    """The census itself (nvcc + cuobjdump, no GPU): every budgeted loop compiles within budget and
+    the js / mkl second pass takes three SFU instructions per id, kl two, the statistics one."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sass_census", ROOT / "benchmarks" / "sass_census.py")
+    census = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(census)
+    if census.find_tool("cuobjdump") is None:
+        pytest.skip("needs cuobjdump (pip install nvidia-cuda-cuobjdump)")
+    rows = {r["kernel"]: r for r in census.census("90")}
+    assert census.over_budget(list(rows.values())) == []
+    assert rows["pass_two_bf16_js"]["sfu_per_id"] == 3.0 and rows["pass_two_bf16_kl"]["sfu_per_id"] == 2.0
+    assert rows["stats_bf16_one_temperature"]["sfu_per_id"] == 1.0
+    assert rows["stats_bf16_one_temperature"]["instructions_per_id_all_paths"] > rows["stats_bf16_one_temperature"]["instructions_per_id"]
+
+
 def test_gpu_benchmark_coin_accepted_column():
     """The benchmark's "coin-accepted" column (positions that skip the second pass under sd / fsd) is
     the rate at which sd accepts a one-token draft with the kernels' coins; none for a filtered shape."""

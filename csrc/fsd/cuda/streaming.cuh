@@ -76,6 +76,22 @@ FSD_INLINE float max_nan(float a, float b) {
 #endif
 }
 
+// FSD_RARE(c): a condition the streaming loops expect to be false on almost every vector (a new
+// running maximum, a NaN or an infinity). Normally just c. benchmarks/sass_census.cu builds with
+// FSD_CENSUS_COMMON_CASE, where a true c traps instead, so that the census counts the instructions of
+// the common case (the test and the branch stay, the rare body is compiled away).
+#ifdef FSD_CENSUS_COMMON_CASE
+FSD_INLINE bool census_trap_if(bool c) {
+#ifdef __CUDA_ARCH__
+  if (c) __trap();
+#endif
+  return false;
+}
+#define FSD_RARE(c) ::fsd::cuda::census_trap_if(c)
+#else
+#define FSD_RARE(c) (c)
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // Pass 1: online-softmax statistics.
 
@@ -163,7 +179,7 @@ FSD_INLINE void stat_add(RowStat& st, int64_t id, const float* raw, const StatSc
   float vmax = raw[0];
 #pragma unroll
   for (int i = 1; i < N; ++i) vmax = max_nan(vmax, raw[i]);
-  if (!(fabsf(vmax) < kInf)) {  // a NaN, +inf, or every value -inf: rare
+  if (FSD_RARE(!(fabsf(vmax) < kInf))) {  // a NaN, +inf, or every value -inf
     Values<N> values;
 #pragma unroll
     for (int i = 0; i < N; ++i) values.v[i] = raw[i];
@@ -171,7 +187,7 @@ FSD_INLINE void stat_add(RowStat& st, int64_t id, const float* raw, const StatSc
     return;
   }
   st.flags |= kHasFinite;
-  if (vmax > st.max) {  // a new maximum: its lowest id (earlier vectors hold only smaller values)
+  if (FSD_RARE(vmax > st.max)) {  // a new maximum: its lowest id (earlier vectors hold only smaller values)
     int32_t arg = (int32_t)id;
 #pragma unroll
     for (int i = N - 1; i >= 0; --i)
