@@ -284,18 +284,30 @@ __device__ __forceinline__ Dist divergence_dist(const FullStat& s, const RowTemp
   return softmax_dist(s.max, t.inv_d, -kInf, s.sum_d);
 }
 
+// What the acceptance decision of position i reads besides the distributions: the draft id and
+// the target and draft logits there (token -1 outside the draft vocabulary: the row is invalid).
+struct DraftLogits {
+  int64_t token;
+  float target, draft;
+};
+template <typename T>
+__device__ __forceinline__ DraftLogits draft_logits_of(const AcceptProblem& pb, int64_t b, int64_t i) {
+  const int64_t token = draft_token(pb, b, i);
+  if (token < 0 || token >= pb.draft_vocab) return DraftLogits{-1, 0.0f, 0.0f};
+  return DraftLogits{token, load_logit(target_row<T>(pb, b, i) + token), load_logit(draft_row<T>(pb, b, i) + token)};
+}
+
 // The acceptance decision of draft position i of row b (rules.h) from its sampling distributions p,
-// q, the target's argmax and the divergence; the draft id must be inside the draft vocabulary.
+// q, the target's argmax, the divergence and draft_logits_of(i) (inside the draft vocabulary).
 // finish_row and decide_position (a coin that settles a position before pass 2) share it, so they
 // always agree.
-template <typename T>
 __device__ __forceinline__ bool position_accepts(const AcceptProblem& pb, int64_t b, int64_t i, const Dist& p,
-                                                 const Dist& q, int32_t argmax_t, float divergence) {
-  const int64_t token = draft_token(pb, b, i);
-  const double p_token = exp(p.log_prob_precise(load_logit(target_row<T>(pb, b, i) + token), token));
-  const double q_token = exp(q.log_prob_precise(load_logit(draft_row<T>(pb, b, i) + token), token));
+                                                 const Dist& q, int32_t argmax_t, float divergence,
+                                                 const DraftLogits& drafted) {
+  const double p_token = exp(p.log_prob_precise(drafted.target, drafted.token));
+  const double q_token = exp(q.log_prob_precise(drafted.draft, drafted.token));
   const double coin = draw_uniform(pb.key, b, i, Purpose::Accept);
-  return accept_draft(pb.rule, divergence, pb.threshold.at(b), coin, p_token, q_token, token == argmax_t);
+  return accept_draft(pb.rule, divergence, pb.threshold.at(b), coin, p_token, q_token, drafted.token == argmax_t);
 }
 
 // The pass-2 record of a chunk whose position skipped pass 2: D_i reads NaN.
@@ -379,7 +391,9 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
     int64_t rejected = INT64_MAX;
     if (i < nd) {
       const PositionInfo info = load_coherent(infos + i);
-      if (!position_accepts<T>(pb, b, i, info.p, info.q, info.argmax_t, pb.divergences[b * k + i])) rejected = i;
+      const float divergence = pb.divergences[b * k + i];
+      if (!position_accepts(pb, b, i, info.p, info.q, info.argmax_t, divergence, draft_logits_of<T>(pb, b, i)))
+        rejected = i;
     }
     const int64_t first_rejected = cub::BlockReduce<int64_t, kThreads>(sh.scan.reduce).Reduce(rejected, MinOp());
     if (threadIdx.x == 0) sh.at = first_rejected;
@@ -523,6 +537,11 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
     if (threadIdx.x < 32) {  // warp 0 combines the chunk records of this position
       const int64_t slot = (b * positions + i) * 2;
       const bool filtered = ws.splits == 1 && ws.filters != nullptr;
+      // The coin's inputs first: these loads (the draft id, then the logits there) overlap the
+      // combine's instead of following it on this block's critical path.
+      const bool coin_first = coin_acceptance_settles(pb.rule, pb.divergences_wanted) && i < nd;
+      DraftLogits drafted{-1, 0.0f, 0.0f};
+      if (threadIdx.x == 0 && coin_first) drafted = draft_logits_of<T>(pb, b, i);
       FullStat st_t, st_d;
       warp_combine_position(ws.chunk_stats + slot * splits, splits, i < nd, temps.inv_s, temps.inv_d, st_t, st_d);
       if (threadIdx.x == 0) {
@@ -545,12 +564,8 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
         // A position whose coin accepts the draft is accepted whatever pass 2 finds (sd, and fsd
         // without returned divergences: rules.h), and its residual is never sampled: pass 2 is
         // skipped. finish_row then sees D_i = NaN and flips the same coin.
-        bool accepted_early = false;
-        if (coin_acceptance_settles(pb.rule, pb.divergences_wanted) && i < nd && sh.good) {
-          const int64_t token = draft_token(pb, b, i);
-          if (token >= 0 && token < pb.draft_vocab)
-            accepted_early = position_accepts<T>(pb, b, i, p, q, st_t.argmax, __int_as_float(0x7FC00000));
-        }
+        const bool accepted_early = coin_first && sh.good && drafted.token >= 0 &&
+                                    position_accepts(pb, b, i, p, q, st_t.argmax, __int_as_float(0x7FC00000), drafted);
         sh.accepted_early = accepted_early;
         if (accepted_early && pb.need_divergence)  // D_i not computed: finish_row writes NaN
           ws.pass_two[(b * positions + i) * splits + c] = skipped_pass_two();
