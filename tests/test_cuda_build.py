@@ -77,13 +77,18 @@ def test_cuda_compile_script(tmp_path):
     assert "no spills" in result.stdout
 
 
-def load_gpu_benchmark():
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (the benchmarks are scripts, not a package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_accept_cuda", ROOT / "benchmarks" / "bench_accept_cuda.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_gpu_benchmark():
+    return load_benchmark("bench_accept_cuda")
 
 
 @pytest.mark.parametrize("extra", [{}, {"rule": "sd"}, {"divergence": "kl"}, {"top_p": 0.9}],
@@ -138,11 +143,7 @@ SASS_LISTING = """
 def test_sass_census_parses_loops_and_checks_budgets():
     """benchmarks/sass_census.py finds each kernel's loop around its 16-byte load in a cuobjdump
     listing (not the trailing self-branch), counts per id, and --check flags a loop over budget."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sass_census", ROOT / "benchmarks" / "sass_census.py")
-    census = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(census)
+    census = load_benchmark("sass_census")
     listing = census.functions(SASS_LISTING)
     assert set(listing) == {"census_pass_two_bf16_js", "census_stats_bf16_one_temperature"}
     loop = census.main_loop(listing["census_pass_two_bf16_js"])
@@ -162,11 +163,7 @@ def test_sass_census_parses_loops_and_checks_budgets():
 def test_sass_census_of_this_tree_is_within_budget():
     """The census itself (nvcc + cuobjdump, no GPU): every budgeted loop compiles within budget and
     the js / mkl second pass takes three SFU instructions per id, kl two, the statistics one."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("sass_census", ROOT / "benchmarks" / "sass_census.py")
-    census = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(census)
+    census = load_benchmark("sass_census")
     if census.find_tool("cuobjdump") is None:
         pytest.skip("needs cuobjdump (pip install nvidia-cuda-cuobjdump)")
     rows = {r["kernel"]: r for r in census.census("90")}
