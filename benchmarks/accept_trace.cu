@@ -160,6 +160,7 @@ struct Case {
     pb.valid = valid;
     pb.divergences = divergences;
     pb.need_divergence = fsd::rule_needs_divergence(s.rule);
+    pb.divergences_wanted = false;  // as fsd_ext.accept without return_divergence
     plan();
   }
   void plan() {  // (again after FSD_EXT_CUDA_SPLITS changes: the workspace depends on the chunks)

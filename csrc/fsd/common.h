@@ -111,15 +111,18 @@ struct AcceptProblem {
   bool* valid = nullptr;            // [B]
   float* divergences = nullptr;     // [B, K]; NaN past num_draft, on invalid rows, and everywhere
   bool need_divergence = true;      // when false (no rule or caller needs D): all NaN, not computed
-  bool divergences_wanted = false;  // the caller reads `divergences` (return_divergence); when not,
-                                    // a kernel may skip (and leave NaN) the D of a position that an
-                                    // fsd coin accepts, since nothing else reads it
+  bool divergences_wanted = true;   // the caller reads `divergences` (return_divergence); when not,
+                                    // a kernel may leave NaN the D of a position that an sd / fsd
+                                    // coin accepts, since nothing else reads it (caller_reads_divergences)
 
 #ifdef FSD_CUDA_TRACE
   // A device fsd::cuda::TraceSink for the kernels' phase trace, or nullptr (csrc/fsd/cuda/trace.cuh;
   // only in builds with -DFSD_CUDA_TRACE: benchmarks/accept_trace.cu).
   const void* trace = nullptr;
 #endif
+
+  // Whether anything outside the kernel reads `divergences` (rules.h: coin_acceptance_settles).
+  FSD_INLINE bool caller_reads_divergences() const { return need_divergence && divergences_wanted; }
 
   // Whether row b's threshold and temperatures lie in their ranges (see temperature_in_range).
   FSD_INLINE bool row_values_in_range(int64_t b) const {

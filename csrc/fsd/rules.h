@@ -58,8 +58,8 @@ FSD_INLINE bool accept_draft(Rule rule, float divergence, float threshold, doubl
 // Whether D_i may be left uncomputed (NaN) at a position whose coin accepts d_i: under sd and fsd
 // the coin alone then accepts, the position is never the one sampled, and only a caller that asked
 // for the divergences would read D_i. (Most positions of a good draft: the step's largest saving.)
-FSD_INLINE bool coin_acceptance_settles(Rule rule, bool divergences_wanted) {
-  return (rule == Rule::SD || rule == Rule::FSD) && !divergences_wanted;
+FSD_INLINE bool coin_acceptance_settles(Rule rule, bool caller_reads_divergences) {
+  return (rule == Rule::SD || rule == Rule::FSD) && !caller_reads_divergences;
 }
 
 // What is emitted after the accepted prefix.

@@ -124,7 +124,7 @@ struct AcceptKernel {
     d = row_stats(draft_row(b, i), pb.draft_vocab, tau, pb.filter, scratch.filter, need_sampling,
                   draft_exps);
     if (!pb.need_divergence || t.bad || d.bad) return;
-    if (coin_acceptance_settles(pb.rule, pb.divergences_wanted)) {
+    if (coin_acceptance_settles(pb.rule, pb.caller_reads_divergences())) {
       const int64_t token = draft_token(b, i);
       if (token >= 0 && token < pb.draft_vocab && coin_accepts(b, i, token)) {
         pb.divergences[b * k + i] = kNaN;  // accepted whatever D_i is: row() flips the same coin

@@ -539,7 +539,7 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
       const bool filtered = ws.splits == 1 && ws.filters != nullptr;
       // The coin's inputs first: these loads (the draft id, then the logits there) overlap the
       // combine's instead of following it on this block's critical path.
-      const bool coin_first = coin_acceptance_settles(pb.rule, pb.divergences_wanted) && i < nd;
+      const bool coin_first = coin_acceptance_settles(pb.rule, pb.caller_reads_divergences()) && i < nd;
       DraftLogits drafted{-1, 0.0f, 0.0f};
       if (threadIdx.x == 0 && coin_first) drafted = draft_logits_of<T>(pb, b, i);
       FullStat st_t, st_d;

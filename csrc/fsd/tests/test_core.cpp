@@ -145,6 +145,13 @@ void test_accept_end_to_end() {
   EXPECT(out_tokens[2] >= 0 && out_tokens[2] < vocab);
   EXPECT(out_tokens[3] == -1 && out_tokens[4] == -1 && out_tokens[5] == -1 && accepted[1] == 0);
   EXPECT(std::fabs(divergences[0]) < 1e-6f && std::isnan(divergences[2]));
+  // A caller that does not read the divergences: sd's coin accepts both drafts (p == q), so their
+  // divergences are left NaN, and the tokens are the same.
+  const std::vector<int64_t> with_divergences = out_tokens;
+  pb.divergences_wanted = false;
+  fsd::cpu::accept(pb);
+  EXPECT(out_tokens == with_divergences && accepted[0] == 2);
+  EXPECT(std::isnan(divergences[0]) && std::isnan(divergences[1]));
 }
 
 // Every row count 1..16 (full and partial row groups), odd `in` (the % 8 tail) and odd `out` (a

@@ -254,7 +254,7 @@ void fuzz_accept(Rng& rng, int iteration) {
   p.need_divergence = p.divergences_wanted || fsd::rule_needs_divergence(p.rule);
   // Without divergences_wanted, sd / fsd leave D_i NaN where the coin accepts: such a position is
   // accepted whenever it is reached, so it is never the first rejection.
-  const bool coin_settles = fsd::coin_acceptance_settles(p.rule, p.divergences_wanted);
+  const bool coin_settles = fsd::coin_acceptance_settles(p.rule, p.caller_reads_divergences());
   if (rng.uniform() < 0.3) fsd::cpu::accept(p, thread_for); else fsd::cpu::accept(p);
 
   for (int64_t b = 0; b < batch; ++b) {
