@@ -341,15 +341,20 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
   const PositionInfo* infos = ws.positions + b * positions;
   const PassTwo* row_pass_two = ws.pass_two + b * positions * splits;
 
-  // 1. Validity: one thread per position checks its flags and draft id.
+  // 1. Validity: one thread per position checks its flags and draft id. The thread keeps the draft
+  //    id and the logits there of its first position (i = threadIdx.x): step 3 decides that
+  //    position, and the loads are then behind it (two dependent ones, on a small batch's critical
+  //    path).
   const bool nd_ok = nd >= 0 && nd <= k;
   bool position_ok = true;
+  DraftLogits own_drafted{-1, 0.0f, 0.0f};
   for (int64_t i = threadIdx.x; nd_ok && i <= nd; i += blockDim.x) {
     const PositionInfo info = load_coherent(infos + i);
     position_ok = position_ok && stat_good(info.flags_t) && (i == nd || stat_good(info.flags_d));
     if (i < nd) {
-      const int64_t token = draft_token(pb, b, i);
-      position_ok = position_ok && token >= 0 && token < pb.draft_vocab;
+      const DraftLogits drafted = draft_logits_of<T>(pb, b, i);
+      position_ok = position_ok && drafted.token >= 0;  // inside the draft vocabulary
+      if (i == threadIdx.x) own_drafted = drafted;
     }
   }
   const bool valid = __syncthreads_and(nd_ok && position_ok && pb.row_values_in_range(b)) != 0;
@@ -392,8 +397,8 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
     if (i < nd) {
       const PositionInfo info = load_coherent(infos + i);
       const float divergence = pb.divergences[b * k + i];
-      if (!position_accepts(pb, b, i, info.p, info.q, info.argmax_t, divergence, draft_logits_of<T>(pb, b, i)))
-        rejected = i;
+      const DraftLogits drafted = first == 0 ? own_drafted : draft_logits_of<T>(pb, b, i);
+      if (!position_accepts(pb, b, i, info.p, info.q, info.argmax_t, divergence, drafted)) rejected = i;
     }
     const int64_t first_rejected = cub::BlockReduce<int64_t, kThreads>(sh.scan.reduce).Reduce(rejected, MinOp());
     if (threadIdx.x == 0) sh.at = first_rejected;
@@ -405,7 +410,8 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
       break;
     }
   }
-  for (int64_t i = threadIdx.x; i < accepted; i += blockDim.x) tokens[i] = draft_token(pb, b, i);
+  for (int64_t i = threadIdx.x; i < accepted; i += blockDim.x)
+    tokens[i] = i == threadIdx.x ? own_drafted.token : draft_token(pb, b, i);
   if (threadIdx.x == 0) {
     pb.num_accepted[b] = accepted;
     sh.at = accepted;
