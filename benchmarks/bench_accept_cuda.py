@@ -218,8 +218,10 @@ def coin_accepted_pct(target, draft, tokens, seed, extra):
     if any(extra.get(name) is not None for name in ("top_k", "top_p", "min_p")):
         return None
     k = draft.shape[1]
-    at_drafts = lambda logits: logits.float().log_softmax(-1).gather(-1, tokens[..., None])[..., 0].double().exp()  # noqa: E731
-    p, q = at_drafts(target[:, :k]), at_drafts(draft)  # [B, K]
+    def at_drafts(logits):  # [B, K]: the probability of each draft token, temperature 1
+        return logits.float().log_softmax(-1).gather(-1, tokens[..., None])[..., 0].double().exp()
+
+    p, q = at_drafts(target[:, :k]), at_drafts(draft)
     coins = ops.philox_uniforms(seed, 0, draft.shape[0], k, "accept")
     return 100.0 * (coins * q <= p).double().mean().item()
 

@@ -113,7 +113,7 @@ def census(arch: str) -> list[dict]:
         listings = {common: functions(disassemble(arch, common, Path(tmp), nvcc, cuobjdump))
                     for common in (False, True)}
     rows = []
-    for name in sorted(listings[False], key=lambda n: (n.split("_")[-2:], n)):
+    for name in sorted(listings[False]):
         kind = name.removeprefix("census_")
         dtype = next(tag for tag in IDS_PER_WORD if f"_{tag}_" in kind)
         ids = IDS_PER_WORD[dtype]
