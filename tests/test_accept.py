@@ -107,6 +107,30 @@ def test_kl_family_infinite_when_draft_lacks_ids(divergence):
     assert d.isinf().all() == (divergence in ("kl", "mkl"))
 
 
+@pytest.mark.parametrize("masked", ["draft", "target"])
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_minus_inf_logits_inside_the_vocabulary(divergence, masked):
+    """Ids masked to -inf inside a row (padding ids, constrained decoding) have probability 0 there,
+    and the other side's mass at them still counts: JS adds p ln 2 / 2 per such id. Found by the
+    CUDA simulation (csrc/fsd/tests/cuda_sim): the stored-exponential pass made p_j NaN at a -inf
+    logit, which zeroed the JS / MKL term (JS 0.033 instead of 0.188 here)."""
+    gen = torch.Generator().manual_seed(11)
+    target = torch.randn(3, 2, 29, generator=gen) * 1e-3
+    draft = torch.randn(3, 1, 29, generator=gen) * 1e-3
+    if masked == "draft":
+        draft[..., 16:] = float("-inf")
+    else:
+        target[..., :13] = float("-inf")
+    tokens = torch.tensor([[3], [5], [7]])
+    for temperature in (0.3, 1.0):
+        kernel, ref = both(target, draft, tokens, rule="fsd", divergence=divergence, threshold=0.3,
+                           temperature=temperature, div_temperature=1.0, seed=2, return_divergence=True)
+        assert_same_result(kernel, ref)
+    d = fsd_ext.divergence(target[:, 0], draft[:, 0], kind=divergence)
+    torch.testing.assert_close(d, reference.divergence(target[:, 0], draft[:, 0], kind=divergence),
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_per_row_threshold_temperature_and_div_options():
     target, draft, tokens = make_problem(16, 4, 700, seed=12)
     threshold = torch.linspace(0.0, 0.6, 16)

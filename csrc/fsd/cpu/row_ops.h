@@ -536,7 +536,9 @@ double divergence_sum(const T* zt, int64_t vt, const Dist& p, const T* zd, int64
 // rounded value, not e_j * scale: the divergences are stationary under consistent perturbations of
 // (p, log p) but not under inconsistent ones (JS would be off by up to ~4e-7 at V = 151936 instead
 // of ~4e-8). So the subtraction's rounding error r (exact, Knuth's two-sum) corrects p_j by
-// exp(-r) ~ 1 - r. TV uses no logs and skips the correction.
+// exp(-r) ~ 1 - r. TV uses no logs and skips the correction. An id of logit -inf (s_j = -inf) has
+// p_j = 0 exactly: its two-sum would be inf - inf = NaN, and a NaN p_j makes a JS / MKL term 0
+// (m = NaN fails m > 0) instead of the p ln 2 / 2 or +inf that the other side's mass gives it.
 template <bool kUsesLog>
 struct ProbFromStored {
   float log_sum, scale;
@@ -549,7 +551,7 @@ struct ProbFromStored {
     }
     const float s_part = lp - minus, minus_part = lp - s_part;
     const float r = (s - s_part) + (minus - minus_part);  // (s - log_sum) - lp, exactly
-    p = e * scale * (1.0f - r);
+    p = lp > -kInf ? e * scale * (1.0f - r) : 0.0f;
   }
 };
 
