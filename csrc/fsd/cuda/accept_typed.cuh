@@ -117,12 +117,10 @@ cudaError_t launch_accept_typed(const AcceptProblem& pb, const AcceptPlan& plan,
     else FSD_CUDA_CHECK(cudaLaunchKernelEx(&config, accept_cluster_kernel<T, false>, pb, ws));
   } else if (plan.splits == 1) {  // one fused launch; its row counters start from zero
     FSD_CUDA_CHECK(cudaMemsetAsync(ws.counters, 0, (size_t)pb.batch * sizeof(uint32_t), stream));
-    if (plan.filtered) accept_stats_kernel<T, true, true><<<grid, kThreads, 0, stream>>>(pb, ws);
-    else accept_stats_kernel<T, false, true><<<grid, kThreads, 0, stream>>>(pb, ws);
-    FSD_CUDA_CHECK(cudaGetLastError());
+    if (plan.filtered) FSD_CUDA_CHECK(launch_kernel(accept_stats_kernel<T, true, true>, grid, stream, pb, ws));
+    else FSD_CUDA_CHECK(launch_kernel(accept_stats_kernel<T, false, true>, grid, stream, pb, ws));
   } else {
-    accept_stats_kernel<T, false, false><<<grid, kThreads, 0, stream>>>(pb, ws);
-    FSD_CUDA_CHECK(cudaGetLastError());
+    FSD_CUDA_CHECK(launch_kernel(accept_stats_kernel<T, false, false>, grid, stream, pb, ws));
     if (plan.dependent_launch) {
       cudaLaunchAttribute attribute;
       attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -130,8 +128,7 @@ cudaError_t launch_accept_typed(const AcceptProblem& pb, const AcceptPlan& plan,
       const cudaLaunchConfig_t config = attributed_config(grid, 0, stream, &attribute);
       FSD_CUDA_CHECK(cudaLaunchKernelEx(&config, accept_decide_kernel<T>, pb, ws));
     } else {
-      accept_decide_kernel<T><<<grid, kThreads, 0, stream>>>(pb, ws);
-      FSD_CUDA_CHECK(cudaGetLastError());
+      FSD_CUDA_CHECK(launch_kernel(accept_decide_kernel<T>, grid, stream, pb, ws));
     }
   }
   return cudaSuccess;

@@ -42,9 +42,16 @@ struct Float16 { uint16_t bits; };
 __device__ __forceinline__ float raw_to_float(float x) { return x; }
 __device__ __forceinline__ float raw_to_float(BFloat16 x) { return __uint_as_float((uint32_t)x.bits << 16); }
 __device__ __forceinline__ float raw_to_float(Float16 x) {
+#ifdef __CUDA_ARCH__
   float out;
   asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(out) : "h"(x.bits));
   return out;
+#else  // host (the CPU simulation of the kernels): as the CPU kernel's to_float (cpu/vec.h)
+  const uint32_t magnitude = x.bits & 0x7FFFu;
+  const float value = magnitude >= 0x7C00u ? __uint_as_float((magnitude << 13) | 0x7F800000u)  // inf / NaN
+                                           : __uint_as_float(magnitude << 13) * 0x1p112f;
+  return __uint_as_float(__float_as_uint(value) | ((uint32_t)(x.bits & 0x8000u) << 16));
+#endif
 }
 
 // One logit, unclamped (the bad-row check needs to see +inf as non-finite).

@@ -1,10 +1,11 @@
-// Host-side helpers shared by the CUDA launchers: the error-check macro, the SM count and the
-// compute capability.
+// Host-side helpers shared by the CUDA launchers: the error-check macro, the one launch form, the SM
+// count and the compute capability.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <utility>
 
 #include "fsd/common.h"
 #include "fsd/cuda/device.cuh"
@@ -18,6 +19,19 @@
 
 namespace fsd {
 namespace cuda {
+
+// Launches `kernel` on `grid` blocks of kThreads on `stream` and returns the launch's error.
+// cudaLaunchKernelEx, not <<< >>>: the one launch form of the library (the cluster and dependent
+// launches need it anyway), which the CPU simulation of the kernels (csrc/fsd/tests/cuda_sim) also
+// implements.
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
 
 // An attribute of the current device, queried once per device (kSlot: one cache per attribute);
 // `fallback` when there is no device or the query fails.

@@ -10,12 +10,13 @@ namespace cuda {
 cudaError_t launch_divergence(const DivergenceProblem& problem, cudaStream_t stream) {
   if (problem.rows == 0) return cudaSuccess;
   if (problem.rows > INT32_MAX) return cudaErrorInvalidConfiguration;
+  const dim3 grid((unsigned)problem.rows);
   switch (problem.dtype) {
-    case DType::Float32: divergence_rows_kernel<float><<<(unsigned)problem.rows, kThreads, 0, stream>>>(problem); break;
-    case DType::BFloat16: divergence_rows_kernel<BFloat16><<<(unsigned)problem.rows, kThreads, 0, stream>>>(problem); break;
-    case DType::Float16: divergence_rows_kernel<Float16><<<(unsigned)problem.rows, kThreads, 0, stream>>>(problem); break;
+    case DType::Float32: return launch_kernel(divergence_rows_kernel<float>, grid, stream, problem);
+    case DType::BFloat16: return launch_kernel(divergence_rows_kernel<BFloat16>, grid, stream, problem);
+    case DType::Float16: return launch_kernel(divergence_rows_kernel<Float16>, grid, stream, problem);
   }
-  return cudaGetLastError();
+  return cudaErrorInvalidValue;
 }
 
 cudaError_t launch_sample(const SampleProblem& problem, cudaStream_t stream) {
@@ -23,11 +24,11 @@ cudaError_t launch_sample(const SampleProblem& problem, cudaStream_t stream) {
   if (problem.positions > INT32_MAX || problem.batch > 65535) return cudaErrorInvalidConfiguration;
   const dim3 grid((unsigned)problem.positions, (unsigned)problem.batch);
   switch (problem.dtype) {
-    case DType::Float32: sample_rows_kernel<float><<<grid, kThreads, 0, stream>>>(problem); break;
-    case DType::BFloat16: sample_rows_kernel<BFloat16><<<grid, kThreads, 0, stream>>>(problem); break;
-    case DType::Float16: sample_rows_kernel<Float16><<<grid, kThreads, 0, stream>>>(problem); break;
+    case DType::Float32: return launch_kernel(sample_rows_kernel<float>, grid, stream, problem);
+    case DType::BFloat16: return launch_kernel(sample_rows_kernel<BFloat16>, grid, stream, problem);
+    case DType::Float16: return launch_kernel(sample_rows_kernel<Float16>, grid, stream, problem);
   }
-  return cudaGetLastError();
+  return cudaErrorInvalidValue;
 }
 
 cudaError_t launch_philox_uniforms(const RandomKey& key, int64_t rows, int64_t positions, Purpose purpose,
@@ -35,8 +36,7 @@ cudaError_t launch_philox_uniforms(const RandomKey& key, int64_t rows, int64_t p
   const int64_t total = rows * positions;
   if (total == 0) return cudaSuccess;
   const int64_t blocks = std::min<int64_t>((total + kThreads - 1) / kThreads, 4096);
-  philox_uniforms_kernel<<<(unsigned)blocks, kThreads, 0, stream>>>(key, rows, positions, purpose, out);
-  return cudaGetLastError();
+  return launch_kernel(philox_uniforms_kernel, dim3((unsigned)blocks), stream, key, rows, positions, purpose, out);
 }
 
 }  // namespace cuda
