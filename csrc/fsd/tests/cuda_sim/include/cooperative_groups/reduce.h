@@ -1,0 +1,4 @@
+// CPU simulation: cooperative_groups::reduce lives in ../cooperative_groups.h.
+#pragma once
+
+#include "../cooperative_groups.h"

@@ -1,0 +1,374 @@
+// The CUDA kernels, run on the CPU by the simulation in include/ (see include/cuda_runtime.h),
+// against the CPU kernel on random problems (../fuzz_inputs.h): with the same seed both must give
+// the same valid flags, accepted counts and tokens, and the same divergences up to rounding. The
+// problems include vocabularies large enough for the vector body and for the split-vocabulary
+// path (the simulated SM count steers the planner), and the block's threads run in forward,
+// reverse or shuffled order between barriers, so a missing __syncthreads changes a result.
+//
+// A negative control runs the same comparison with the CUDA side's seed changed: it must disagree.
+//
+// Usage: test_cuda_sim [cases]   (default $FSD_SIM_CASES or 300; exit status 1 on a failed check;
+// FSD_SIM_SEED=n draws other cases, FSD_SIM_VERBOSE=1 prints the inputs of rows that differ)
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../fuzz_inputs.h"
+#include "fsd/cpu/kernels.h"
+#include "fsd/cuda/launch.h"
+
+namespace {
+
+using namespace fsd_fuzz;
+
+int failures = 0;
+
+#define CHECK(cond, ...)                                                                \
+  do {                                                                                  \
+    if (!(cond)) {                                                                      \
+      if (++failures <= 30) {                                                           \
+        std::fprintf(stderr, "%s:%d: check failed: %s: ", __FILE__, __LINE__, #cond);   \
+        std::fprintf(stderr, __VA_ARGS__);                                              \
+        std::fprintf(stderr, "\n");                                                     \
+      }                                                                                 \
+    }                                                                                   \
+  } while (0)
+
+// Sizes past one 16-byte vector per thread (256 threads), odd ones, and ones the planner cuts into
+// vocabulary chunks of 2048-id granules (from 4097 ids).
+const std::vector<int64_t> kLargeVocabs = {1000, 2053, 4097, 9001, 20000};
+
+// Divergences agree when both are NaN or both lie within rounding of each other (the CUDA kernel
+// sums in a different order, some terms in float). Past 1e37 (logits near 1e30) the CUDA kernel's
+// float partial sums may overflow to inf where the CPU's double sum still rounds to a float just
+// below FLT_MAX: both read as "infinite" there.
+bool divergences_agree(float cpu, float gpu) {
+  if (std::isnan(cpu) || std::isnan(gpu)) return std::isnan(cpu) && std::isnan(gpu);
+  if (cpu >= 1e37f || gpu >= 1e37f) return cpu >= 1e37f && gpu >= 1e37f;
+  return std::fabs(cpu - gpu) <= 1e-5 + 2e-3 * std::fabs(cpu);
+}
+
+void set_env(const char* name, const std::string& value) {
+  if (value.empty()) unsetenv(name);
+  else setenv(name, value.c_str(), 1);
+}
+
+// The simulated device and launch for case `n`: SM count (planner), forced splits, thread order.
+void vary_launch(Rng& rng, int n) {
+  set_env("FSD_SIM_SMS", std::to_string(rng.pick((const int[]){1, 16, 132})));
+  set_env("FSD_EXT_CUDA_SPLITS", rng.uniform() < 0.3 ? std::to_string(rng.integer(2, 8)) : "");
+  set_env("FSD_EXT_CUDA_PDL", rng.uniform() < 0.3 ? "1" : "");
+  sim::order = (sim::Order)(n % 3);
+}
+
+struct Tally {
+  int64_t rows = 0, rows_differing = 0;
+};
+
+// fsd::cuda::launch_accept(p) on a fresh workspace whose every byte is `garbage` (the API allows
+// uninitialised workspace). Returns whether the launch succeeded.
+bool launch_accept_on(const fsd::AcceptProblem& p, uint8_t garbage) {
+  const size_t bytes = fsd::cuda::accept_workspace_bytes(p);
+  std::vector<uint8_t> workspace(bytes + 256, garbage);
+  void* base = workspace.data() + (256 - (uintptr_t)workspace.data() % 256) % 256;  // as cudaMalloc's
+  return fsd::cuda::launch_accept(p, base, bytes, nullptr) == cudaSuccess;
+}
+
+// Bit-identical outputs (NaN patterns included).
+bool same_outputs(const fsd::AcceptProblem& p, const AcceptOutputs& a, const AcceptOutputs& b) {
+  const size_t divergence_bytes = a.divergences.size() * sizeof(float);
+  return a.tokens == b.tokens && a.accepted == b.accepted &&
+         std::memcmp(a.valid.get(), b.valid.get(), (size_t)p.batch) == 0 &&
+         (divergence_bytes == 0 || std::memcmp(a.divergences.data(), b.divergences.data(), divergence_bytes) == 0);
+}
+
+// Runs c's problem on both kernels and compares. `seed_shift` != 0 gives the CUDA side another
+// seed (the negative control). Returns the rows compared and how many differ in tokens.
+Tally compare_accept(AcceptCase& c, int n, int64_t seed_shift) {
+  fsd::AcceptProblem& p = c.problem;
+  AcceptOutputs cpu_out, gpu_out;
+  cpu_out.attach(p);
+  fsd::cpu::accept(p);
+
+  fsd::AcceptProblem q = p;
+  gpu_out.attach(q);
+  q.key.seed.scalar += seed_shift;
+  std::vector<int64_t> shifted_seeds = c.key_storage;
+  for (auto& s : shifted_seeds) s += seed_shift;
+  if (q.key.seed.per_row) q.key.seed.per_row = shifted_seeds.data();
+  CHECK(launch_accept_on(q, 0xA5), "case %d: launch failed", n);
+  if (n % 4 == 0) {  // the same call on a workspace of other garbage gives the same bits
+    fsd::AcceptProblem r = q;
+    AcceptOutputs again;
+    again.attach(r);
+    CHECK(launch_accept_on(r, 0x00), "case %d: launch failed", n);
+    CHECK(same_outputs(q, gpu_out, again), "case %d: the outputs depend on the workspace's old contents", n);
+  }
+
+  Tally tally;
+  const int64_t k = p.max_draft;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    ++tally.rows;
+    CHECK(cpu_out.valid[b] == gpu_out.valid[b], "case %d row %ld: valid cpu %d cuda %d", n, (long)b,
+          cpu_out.valid[b], gpu_out.valid[b]);
+    bool same = cpu_out.accepted[b] == gpu_out.accepted[b];
+    for (int64_t i = 0; i <= k; ++i) same = same && cpu_out.tokens[b * (k + 1) + i] == gpu_out.tokens[b * (k + 1) + i];
+    if (!same) {
+      ++tally.rows_differing;
+      if (seed_shift == 0)
+        std::fprintf(stderr, "case %d row %ld (V %ld, K %ld, rule %d, div %d, dtype %d): accepted cpu %ld cuda %ld\n", n,
+                     (long)b, (long)p.target_vocab, (long)k, (int)p.rule, (int)p.divergence, (int)p.dtype,
+                     (long)cpu_out.accepted[b], (long)gpu_out.accepted[b]);
+      if (getenv("FSD_SIM_VERBOSE")) {
+        std::fprintf(stderr, "  T %g tau %g div tau %g uses sampling %d filter %ld/%g/%g top_k %ld wanted %d\n",
+                     p.threshold.at(b), p.temperature.at(b), p.div_temperature.at(b), (int)p.div_uses_sampling,
+                     (long)p.filter.top_k, p.filter.top_p, p.filter.min_p, (long)p.div_top_k, (int)p.divergences_wanted);
+        for (int64_t i = 0; i < k; ++i)
+          std::fprintf(stderr, "  pos %ld token %ld D cpu %.9g cuda %.9g\n", (long)i, (long)c.draft_token(b, i),
+                       cpu_out.divergences[b * k + i], gpu_out.divergences[b * k + i]);
+        for (int64_t i = 0; i <= k; ++i) {
+          std::fprintf(stderr, "  target %ld:", (long)i);
+          for (int64_t j = 0; j < std::min<int64_t>(p.target_vocab, 12); ++j) std::fprintf(stderr, " %g", c.target.at(b * (k + 1) + i, j));
+          std::fprintf(stderr, "\n");
+          if (i < k) {
+            std::fprintf(stderr, "  draft %ld:", (long)i);
+            for (int64_t j = 0; j < std::min<int64_t>(p.draft_vocab, 12); ++j) std::fprintf(stderr, " %g", c.draft.at(b * k + i, j));
+            std::fprintf(stderr, "\n");
+          }
+        }
+      }
+    }
+    // Tokens in range whatever happened (never an id >= V, -1 exactly where nothing is emitted).
+    for (int64_t i = 0; i <= k; ++i) {
+      const int64_t token = gpu_out.tokens[b * (k + 1) + i];
+      const bool emitted = gpu_out.valid[b] && i <= gpu_out.accepted[b];
+      CHECK(token >= -1 && token < p.target_vocab && (token != -1) == emitted, "case %d row %ld pos %ld: token %ld", n,
+            (long)b, (long)i, (long)token);
+    }
+    if (seed_shift != 0 || !same) continue;
+    for (int64_t i = 0; i < k; ++i) {
+      const float a = cpu_out.divergences[b * k + i], g = gpu_out.divergences[b * k + i];
+      // Where a coin settles the position (no returned divergences) either kernel may leave NaN.
+      const bool may_skip = fsd::coin_acceptance_settles(p.rule, p.caller_reads_divergences());
+      if (may_skip && (std::isnan(a) || std::isnan(g))) continue;
+      CHECK(divergences_agree(a, g),
+            "case %d row %ld pos %ld (V %ld/%ld, div %d, dtype %d, top_k %ld, tau %g, div tau %g, uses sampling %d, "
+            "filter %ld/%g/%g): D cpu %.9g cuda %.9g",
+            n, (long)b, (long)i, (long)p.target_vocab, (long)p.draft_vocab, (int)p.divergence, (int)p.dtype,
+            (long)p.div_top_k, p.temperature.at(b), p.div_temperature.at(b), (int)p.div_uses_sampling,
+            (long)p.filter.top_k, p.filter.top_p, p.filter.min_p, a, g);
+    }
+  }
+  return tally;
+}
+
+Tally compare_random_accept(Rng& rng, int n) {
+  AcceptCase c;
+  random_accept_case(rng, c, 3, 4, kLargeVocabs, 0.5);
+  vary_launch(rng, n);
+  return compare_accept(c, n, 0);
+}
+
+// A well-conditioned problem: K draft positions per row whose draft logits are the target's plus
+// noise, temperature 1, one scalar seed, drafts half the draft's argmax and half uniform ids. Both
+// kernels must agree on every row; under another seed most rows' tokens change.
+void plain_accept_case(Rng& rng, AcceptCase& c, int64_t batch, int64_t k, int64_t vocab, DType dtype,
+                       fsd::Rule rule) {
+  for (Logits* l : {&c.target, &c.draft}) {
+    l->dtype = dtype;
+    l->vocab = l->row_stride = vocab;
+  }
+  c.target.rows = batch * (k + 1);
+  c.draft.rows = batch * k;
+  c.target.values.resize(c.target.rows * vocab);
+  c.draft.values.resize(c.draft.rows * vocab);
+  for (auto& v : c.target.values) v = 2.0f * rng.normal();
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t j = 0; j < vocab; ++j)
+        c.draft.values[(b * k + i) * vocab + j] = 0.8f * c.target.at(b * (k + 1) + i, j) + rng.normal();
+  store_logits(c.target);
+  store_logits(c.draft);
+  c.num_draft.assign(batch, k);
+  c.tokens64.resize(batch * k);
+  for (int64_t r = 0; r < batch * k; ++r) c.tokens64[r] = rng.uniform() < 0.5 ? c.draft.argmax(r) : rng.integer(0, vocab - 1);
+  bind_accept_problem(c, batch, k, false, false);
+  c.problem.rule = rule;
+  c.problem.threshold.scalar = 0.3f;
+  c.problem.temperature.scalar = 1.0f;
+  c.problem.div_temperature.scalar = 1.0f;
+  c.problem.key.seed.scalar = (int64_t)rng.engine();
+  c.problem.need_divergence = fsd::rule_needs_divergence(rule);
+}
+
+// Edge layouts on both kernels: the largest vocabulary issue 3 names (262144 ids: the split path's
+// 64 chunks) and a batch stride past 2^31 elements (64-bit offsets; the pages between the two rows
+// are allocated but never touched, so the 4 GiB buffer costs no memory). Every row must agree.
+Tally compare_edges(Rng& rng, int n) {
+  set_env("FSD_SIM_SMS", "132");
+  set_env("FSD_EXT_CUDA_SPLITS", "");
+  Tally tally;
+  {
+    AcceptCase c;
+    plain_accept_case(rng, c, 1, 2, 262144, DType::BFloat16, fsd::Rule::FSD);
+    const Tally t = compare_accept(c, n, 0);
+    tally.rows += t.rows, tally.rows_differing += t.rows_differing;
+  }
+#ifndef __SANITIZE_ADDRESS__  // (ASan would write the shadow of all 4 GiB)
+  {
+    AcceptCase c;
+    const int64_t batch = 2, k = 1, vocab = 1000, stride_b = ((int64_t)1 << 31) + 64;
+    plain_accept_case(rng, c, batch, k, vocab, DType::Float16, fsd::Rule::SD);
+    std::unique_ptr<uint16_t[]> far(new uint16_t[stride_b * (batch - 1) + (k + 1) * vocab]);  // untouched pages
+    for (int64_t b = 0; b < batch; ++b)
+      std::memcpy(far.get() + b * stride_b, c.target.u16.data() + b * (k + 1) * vocab, (k + 1) * vocab * sizeof(uint16_t));
+    c.problem.target_logits = far.get();
+    c.problem.target_stride_b = stride_b;
+    const Tally t = compare_accept(c, n + 1, 0);
+    tally.rows += t.rows, tally.rows_differing += t.rows_differing;
+  }
+#endif
+  return tally;
+}
+
+void compare_divergence(Rng& rng, int n) {
+  const int64_t rows = rng.integer(1, 4);
+  const int64_t vt = pick_vocab(rng, kLargeVocabs, 0.5);
+  const int64_t vd = rng.uniform() < 0.5 ? vt : rng.integer(1, vt);
+  const DType dtype = (DType)rng.integer(0, 2);
+  const Logits target = make_logits(rng, rows, vt, dtype, rng.integer(0, 3));
+  const Logits draft = make_logits(rng, rows, vd, dtype, rng.integer(0, 3));
+  fsd::DivergenceProblem p;
+  p.rows = rows;
+  p.target_vocab = vt;
+  p.draft_vocab = vd;
+  p.dtype = dtype;
+  p.target_logits = target.data();
+  p.target_stride = target.row_stride;
+  p.draft_logits = draft.data();
+  p.draft_stride = draft.row_stride;
+  p.divergence = (fsd::Divergence)rng.integer(0, 4);
+  p.temperature = rng.pick((const float[]){0.5f, 1.0f, 2.0f});
+  p.top_k = rng.uniform() < 0.3 ? rng.integer(1, vt + 2) : 0;
+  sim::order = (sim::Order)(n % 3);
+  std::vector<float> cpu(rows, -7.0f), gpu(rows, -7.0f);
+  p.out = cpu.data();
+  fsd::cpu::divergence(p);
+  p.out = gpu.data();
+  CHECK(fsd::cuda::launch_divergence(p, nullptr) == cudaSuccess, "case %d: launch failed", n);
+  for (int64_t r = 0; r < rows; ++r)
+    CHECK(divergences_agree(cpu[r], gpu[r]), "divergence case %d row %ld (V %ld, div %d, dtype %d, top_k %ld): cpu %.9g cuda %.9g",
+          n, (long)r, (long)vt, (int)p.divergence, (int)dtype, (long)p.top_k, cpu[r], gpu[r]);
+}
+
+Tally compare_sample(Rng& rng, int n) {
+  const int64_t batch = rng.integer(1, 3), positions = rng.integer(1, 3);
+  const int64_t vocab = pick_vocab(rng, kLargeVocabs, 0.5);
+  const DType dtype = (DType)rng.integer(0, 2);
+  const Logits logits = make_logits(rng, batch * positions, vocab, dtype, rng.integer(0, 3));
+  std::vector<float> temperatures(batch);
+  for (auto& t : temperatures) t = rng.pick(kTemperatures);
+  std::vector<int64_t> key_storage, cpu(batch * positions, -7), gpu(batch * positions, -7);
+  fsd::SampleProblem p;
+  p.batch = batch;
+  p.positions = positions;
+  p.vocab = vocab;
+  p.dtype = dtype;
+  p.logits = logits.data();
+  p.stride_s = logits.row_stride;
+  p.stride_b = positions * logits.row_stride;
+  if (rng.uniform() < 0.5) p.temperature.per_row = temperatures.data(); else p.temperature.scalar = rng.pick(kTemperatures);
+  p.filter = random_filter(rng, vocab);
+  p.key = random_key(rng, key_storage, batch);
+  sim::order = (sim::Order)(n % 3);
+  p.tokens = cpu.data();
+  fsd::cpu::sample(p);
+  p.tokens = gpu.data();
+  CHECK(fsd::cuda::launch_sample(p, nullptr) == cudaSuccess, "case %d: launch failed", n);
+  Tally tally;
+  for (int64_t r = 0; r < batch * positions; ++r) {
+    ++tally.rows;
+    CHECK(gpu[r] >= -1 && gpu[r] < vocab, "sample case %d: token %ld out of range", n, (long)gpu[r]);
+    if (cpu[r] != gpu[r]) {
+      ++tally.rows_differing;
+      std::fprintf(stderr, "sample case %d row %ld (V %ld, dtype %d): cpu %ld cuda %ld\n", n, (long)r, (long)vocab,
+                   (int)dtype, (long)cpu[r], (long)gpu[r]);
+    }
+  }
+  return tally;
+}
+
+void compare_uniforms() {
+  for (const auto purpose : {fsd::Purpose::Accept, fsd::Purpose::Sample, fsd::Purpose::Draft}) {
+    fsd::RandomKey key;
+    key.seed.scalar = -3;
+    key.offset.scalar = (int64_t)1 << 40;
+    const int64_t rows = 37, positions = 9;
+    std::vector<double> cpu(rows * positions), gpu(rows * positions, -1.0);
+    fsd::cpu::philox_uniforms(key, rows, positions, purpose, cpu.data());
+    CHECK(fsd::cuda::launch_philox_uniforms(key, rows, positions, purpose, gpu.data(), nullptr) == cudaSuccess, "launch");
+    CHECK(cpu == gpu, "philox uniforms differ (purpose %d)", (int)purpose);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* env_cases = std::getenv("FSD_SIM_CASES");
+  const int cases = argc > 1 ? std::atoi(argv[1]) : env_cases ? std::atoi(env_cases) : 300;
+  const char* env_seed = std::getenv("FSD_SIM_SEED");  // another campaign of random cases
+  Rng rng(env_seed ? std::strtoull(env_seed, nullptr, 10) : 20261201);
+  Tally accept, sample;
+  for (int n = 0; n < cases; ++n) {
+    const Tally a = compare_random_accept(rng, n);
+    accept.rows += a.rows, accept.rows_differing += a.rows_differing;
+    if (n % 3 == 0) compare_divergence(rng, n);
+    if (n % 3 == 1) {
+      const Tally s = compare_sample(rng, n);
+      sample.rows += s.rows, sample.rows_differing += s.rows_differing;
+    }
+  }
+  compare_uniforms();
+  // Rare floating-point ties aside the kernels agree row for row (issue 3 asks 99.9% on a large
+  // batch; these extreme inputs get a little more room).
+  std::printf("accept: %ld rows, %ld differ; sample: %ld rows, %ld differ\n", (long)accept.rows,
+              (long)accept.rows_differing, (long)sample.rows, (long)sample.rows_differing);
+  CHECK(accept.rows_differing * 200 <= accept.rows, "%ld of %ld accept rows differ", (long)accept.rows_differing, (long)accept.rows);
+  CHECK(sample.rows_differing * 200 <= sample.rows, "%ld of %ld sample rows differ", (long)sample.rows_differing, (long)sample.rows);
+
+  // Well-conditioned problems (split and whole-row paths): every row agrees; with another seed on
+  // the CUDA side (the negative control) most rows' tokens differ.
+  Tally plain, control;
+  int n = cases;
+  for (const DType dtype : {DType::Float32, DType::BFloat16, DType::Float16})
+    for (const fsd::Rule rule : {fsd::Rule::SD, fsd::Rule::FSD})
+      for (const char* sms : {"1", "132"}) {
+        set_env("FSD_SIM_SMS", sms);
+        set_env("FSD_EXT_CUDA_SPLITS", "");
+        sim::order = (sim::Order)(n % 3);
+        AcceptCase c;
+        plain_accept_case(rng, c, 8, 3, 9001, dtype, rule);
+        const Tally same = compare_accept(c, n, 0), shifted = compare_accept(c, n, 1);
+        plain.rows += same.rows, plain.rows_differing += same.rows_differing;
+        control.rows += shifted.rows, control.rows_differing += shifted.rows_differing;
+        ++n;
+      }
+  const Tally edges = compare_edges(rng, n);
+  plain.rows += edges.rows, plain.rows_differing += edges.rows_differing;
+  std::printf("well-conditioned: %ld of %ld rows differ; negative control (CUDA seed + 1): %ld of %ld differ\n",
+              (long)plain.rows_differing, (long)plain.rows, (long)control.rows_differing, (long)control.rows);
+  CHECK(plain.rows_differing == 0, "%ld well-conditioned rows differ", (long)plain.rows_differing);
+  CHECK(control.rows_differing * 2 >= control.rows, "the comparison cannot tell seeds apart");
+
+  if (failures) {
+    std::fprintf(stderr, "test_cuda_sim: %d failed checks\n", failures);
+    return 1;
+  }
+  std::printf("test_cuda_sim: %d cases passed\n", cases);
+  return 0;
+}
