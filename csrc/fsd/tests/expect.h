@@ -1,5 +1,5 @@
-// The checks of the core's C++ test programs: EXPECT counts a failure and reports where, main
-// returns the count's verdict (test_core.cpp, test_streaming.cu).
+// The checks of the core's C++ test programs: EXPECT and CHECK count a failure and report where
+// (CHECK with a printf-style message, the first 30 only), main returns the count's verdict.
 #pragma once
 
 #include <cmath>
@@ -28,3 +28,12 @@ inline int verdict(const char* program) {
   } while (0)
 
 #define EXPECT_NEAR(a, b, tol) EXPECT(std::fabs((double)(a) - (double)(b)) <= (tol))
+
+#define CHECK(cond, ...)                                                              \
+  do {                                                                                \
+    if (!(cond) && ++fsd_test::failures <= 30) {                                      \
+      std::fprintf(stderr, "%s:%d: check failed: %s: ", __FILE__, __LINE__, #cond);  \
+      std::fprintf(stderr, __VA_ARGS__);                                              \
+      std::fprintf(stderr, "\n");                                                     \
+    }                                                                                 \
+  } while (0)

@@ -292,4 +292,71 @@ inline void random_accept_case(Rng& rng, AcceptCase& c, int64_t max_batch = 5, i
   p.need_divergence = p.divergences_wanted || fsd::rule_needs_divergence(p.rule);
 }
 
+// One random fsd_ext.divergence problem of min_rows..max_rows rows and the logits it points to
+// (not copyable). The caller sets problem.out.
+struct DivergenceCase {
+  Logits target, draft;
+  fsd::DivergenceProblem problem;
+  DivergenceCase() = default;
+  DivergenceCase(const DivergenceCase&) = delete;
+  DivergenceCase& operator=(const DivergenceCase&) = delete;
+};
+inline void random_divergence_case(Rng& rng, DivergenceCase& c, int64_t min_rows, int64_t max_rows,
+                                   const std::vector<int64_t>& large = {}, double large_rate = 0.0) {
+  const int64_t rows = rng.integer(min_rows, max_rows);
+  const int64_t vt = pick_vocab(rng, large, large_rate);
+  const int64_t vd = rng.uniform() < 0.5 ? vt : rng.integer(1, vt);
+  const DType dtype = (DType)rng.integer(0, 2);
+  c.target = make_logits(rng, rows, vt, dtype, rng.integer(0, 3));
+  c.draft = make_logits(rng, rows, vd, dtype, rng.integer(0, 3));
+  fsd::DivergenceProblem& p = c.problem;
+  p = fsd::DivergenceProblem{};
+  p.rows = rows;
+  p.target_vocab = vt;
+  p.draft_vocab = vd;
+  p.dtype = dtype;
+  p.target_logits = c.target.data();
+  p.target_stride = c.target.row_stride;
+  p.draft_logits = c.draft.data();
+  p.draft_stride = c.draft.row_stride;
+  p.divergence = (fsd::Divergence)rng.integer(0, 4);
+  p.temperature = rng.pick((const float[]){1e-38f, 0.5f, 1.0f, 1e20f});
+  p.top_k = rng.uniform() < 0.3 ? rng.integer(1, vt + 2) : 0;
+}
+
+// One random fsd_ext.sample problem of min_batch..max_batch rows and min_positions..max_positions
+// positions, and what it points to (not copyable). The caller sets problem.tokens.
+struct SampleCase {
+  Logits logits;
+  std::vector<float> temperatures;
+  std::vector<int64_t> key_storage;  // see random_key
+  fsd::SampleProblem problem;
+  SampleCase() = default;
+  SampleCase(const SampleCase&) = delete;
+  SampleCase& operator=(const SampleCase&) = delete;
+};
+inline void random_sample_case(Rng& rng, SampleCase& c, int64_t min_batch, int64_t max_batch, int64_t min_positions,
+                               int64_t max_positions, const std::vector<int64_t>& large = {},
+                               double large_rate = 0.0) {
+  const int64_t batch = rng.integer(min_batch, max_batch), positions = rng.integer(min_positions, max_positions);
+  const int64_t vocab = pick_vocab(rng, large, large_rate);
+  const DType dtype = (DType)rng.integer(0, 2);
+  c.logits = make_logits(rng, batch * positions, vocab, dtype, rng.integer(0, 3));
+  c.temperatures.resize(batch);
+  for (auto& t : c.temperatures) t = rng.pick(kTemperatures);
+  fsd::SampleProblem& p = c.problem;
+  p = fsd::SampleProblem{};
+  p.batch = batch;
+  p.positions = positions;
+  p.vocab = vocab;
+  p.dtype = dtype;
+  p.logits = c.logits.data();
+  p.stride_s = c.logits.row_stride;
+  p.stride_b = positions * c.logits.row_stride;
+  if (rng.uniform() < 0.5) p.temperature.per_row = c.temperatures.data();
+  else p.temperature.scalar = rng.pick(kTemperatures);
+  p.filter = random_filter(rng, vocab);
+  p.key = random_key(rng, c.key_storage, batch);
+}
+
 }  // namespace fsd_fuzz

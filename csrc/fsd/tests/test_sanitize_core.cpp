@@ -19,25 +19,13 @@
 
 #include "fsd/common.h"
 #include "fsd/cpu/kernels.h"
+#include "expect.h"
 #include "fsd/rules.h"
 #include "fuzz_inputs.h"
 
 namespace {
 
 using namespace fsd_fuzz;
-
-int failures = 0;
-
-#define CHECK(cond, ...)                                                        \
-  do {                                                                          \
-    if (!(cond)) {                                                              \
-      if (++failures <= 20) {                                                   \
-        std::fprintf(stderr, "%s:%d: check failed: %s: ", __FILE__, __LINE__, #cond); \
-        std::fprintf(stderr, __VA_ARGS__);                                      \
-        std::fprintf(stderr, "\n");                                             \
-      }                                                                         \
-    }                                                                           \
-  } while (0)
 
 // Parallel loop on std::threads, so the sanitizers also see concurrent row processing.
 void thread_for(int64_t count, int64_t grain, const fsd::cpu::RangeFn& body) {
@@ -99,24 +87,11 @@ void fuzz_accept(Rng& rng, int iteration) {
 }
 
 void fuzz_divergence(Rng& rng, int iteration) {
-  const int64_t rows = rng.integer(0, 6);
-  const int64_t vt = rng.uniform() < 0.2 ? rng.pick((const int64_t[]){1, 16, 17, 257}) : rng.integer(1, 40);
-  const int64_t vd = rng.uniform() < 0.5 ? vt : rng.integer(1, vt);
-  const DType dtype = (DType)rng.integer(0, 2);
-  const Logits target = make_logits(rng, rows, vt, dtype, rng.integer(0, 3));
-  const Logits draft = make_logits(rng, rows, vd, dtype, rng.integer(0, 3));
-  fsd::DivergenceProblem p;
-  p.rows = rows;
-  p.target_vocab = vt;
-  p.draft_vocab = vd;
-  p.dtype = dtype;
-  p.target_logits = target.data();
-  p.target_stride = target.row_stride;
-  p.draft_logits = draft.data();
-  p.draft_stride = draft.row_stride;
-  p.divergence = (fsd::Divergence)rng.integer(0, 4);
-  p.temperature = rng.pick((const float[]){1e-38f, 0.5f, 1.0f, 1e20f});
-  p.top_k = rng.uniform() < 0.3 ? rng.integer(1, vt + 2) : 0;
+  DivergenceCase c;
+  random_divergence_case(rng, c, 0, 6);
+  fsd::DivergenceProblem& p = c.problem;
+  const int64_t rows = p.rows;
+  const Logits &target = c.target, &draft = c.draft;
   std::vector<float> out(rows, -7.0f);
   p.out = out.data();
   fsd::cpu::divergence(p);
@@ -128,27 +103,15 @@ void fuzz_divergence(Rng& rng, int iteration) {
 }
 
 void fuzz_sample(Rng& rng, int iteration) {
-  const int64_t batch = rng.integer(0, 5), positions = rng.integer(0, 4);
-  const int64_t vocab = rng.uniform() < 0.2 ? rng.pick((const int64_t[]){1, 16, 17, 257}) : rng.integer(1, 40);
-  const DType dtype = (DType)rng.integer(0, 2);
-  const Logits logits = make_logits(rng, batch * positions, vocab, dtype, rng.integer(0, 3));
-  std::vector<float> temperatures(batch);
-  for (auto& t : temperatures) t = rng.pick(kTemperatures);
-  std::vector<int64_t> key_storage, tokens(batch * positions, -7);
-  fsd::SampleProblem p;
-  p.batch = batch;
-  p.positions = positions;
-  p.vocab = vocab;
-  p.dtype = dtype;
-  p.logits = logits.data();
-  p.stride_s = logits.row_stride;
-  p.stride_b = positions * logits.row_stride;
-  if (rng.uniform() < 0.5) p.temperature.per_row = temperatures.data(); else p.temperature.scalar = rng.pick(kTemperatures);
-  p.filter = random_filter(rng, vocab);
-  p.key = random_key(rng, key_storage, batch);
+  SampleCase c;
+  random_sample_case(rng, c, 0, 5, 0, 4);
+  fsd::SampleProblem& p = c.problem;
+  const int64_t positions = p.positions, vocab = p.vocab;
+  const Logits& logits = c.logits;
+  std::vector<int64_t> tokens(p.batch * positions, -7);
   p.tokens = tokens.data();
   fsd::cpu::sample(p);
-  for (int64_t r = 0; r < batch * positions; ++r) {
+  for (int64_t r = 0; r < p.batch * positions; ++r) {
     CHECK((tokens[r] == -1) == logits.bad(r), "iteration %d row %ld: token %ld, bad %d", iteration, (long)r, (long)tokens[r], logits.bad(r));
     CHECK(tokens[r] >= -1 && tokens[r] < vocab, "iteration %d: token %ld out of range", iteration, (long)tokens[r]);
     if (tokens[r] >= 0) {
@@ -179,8 +142,8 @@ int main(int argc, char** argv) {
     if (it % 2 == 1) fuzz_sample(rng, it);
   }
   philox_smoke();
-  if (failures) {
-    std::fprintf(stderr, "test_sanitize_core: %d failed checks\n", failures);
+  if (fsd_test::failures) {
+    std::fprintf(stderr, "test_sanitize_core: %d failed checks\n", fsd_test::failures);
     return 1;
   }
   std::printf("test_sanitize_core: %d iterations passed\n", iterations);
