@@ -2,13 +2,14 @@
 // kernels themselves (csrc/fsd/cuda/*.cu, unchanged) compile with g++ and run on a machine without a
 // GPU (csrc/fsd/tests/cuda_sim/test_cuda_sim.cpp checks them against the CPU kernel).
 //
-// What it models: a launch runs its blocks one after another; a block's kThreads threads are fibers
-// (ucontext) on the calling thread that switch only at __syncthreads and the warp primitives, so a
-// block's barriers, shared memory (`__shared__` becomes a static: one copy, reused block after
-// block), warp shuffles / ballots and atomics behave as the CUDA programming model says, and the
-// order the threads run between two barriers is a choice (sim::Order): a missing barrier shows up as
-// a wrong result under some order. Blocks that talk through global memory (atomic row counters, the
-// last block finishes the row) work because each block runs to its end before the next starts.
+// What it models: a launch runs its blocks one after another, in an order sim::order picks; a
+// block's threads are fibers (ucontext) on the calling thread that switch only at __syncthreads and
+// the warp primitives, so a block's barriers, shared memory (`__shared__` becomes a static: one copy,
+// reused block after block), warp shuffles / ballots and atomics behave as the CUDA programming
+// model says, and the order the threads run between two barriers is a choice too: a missing barrier
+// shows up as a wrong result under some order. Blocks that talk through global memory (atomic row
+// counters, the last block finishes the row) work because each block runs to its end before the
+// next starts.
 //
 // What it does not model: timing, occupancy, the memory model's weak orderings, thread-block
 // clusters (the cluster kernels compile to nothing here: their body needs __CUDA_ARCH__ >= 900, and
@@ -101,7 +102,8 @@ inline int multiprocessors() {
   return n > 0 ? n : 132;
 }
 
-// The order in which a block's threads run between two synchronisation points.
+// The order in which a launch runs its blocks, and a block its threads between two
+// synchronisation points.
 enum class Order { Forward, Reverse, Shuffled };
 inline Order order = Order::Forward;
 inline uint64_t shuffle_seed = 1;
@@ -248,12 +250,18 @@ cudaError_t launch(const cudaLaunchConfig_t& config, void (*kernel)(Params...), 
   };
   gridDim = config.gridDim;
   blockDim = config.blockDim;
+  // The blocks in the order `order` says: a grid's blocks may run in any order on a GPU, so which
+  // block of a row comes last (and finishes it) varies too.
+  std::vector<uint3> blocks;
   for (unsigned z = 0; z < gridDim.z; ++z)
     for (unsigned y = 0; y < gridDim.y; ++y)
-      for (unsigned x = 0; x < gridDim.x; ++x) {
-        blockIdx.x = x, blockIdx.y = y, blockIdx.z = z;
-        run_block(body, &call, (int)threads);
-      }
+      for (unsigned x = 0; x < gridDim.x; ++x) blocks.push_back(uint3{x, y, z});
+  if (order == Order::Reverse) std::reverse(blocks.begin(), blocks.end());
+  if (order == Order::Shuffled) std::shuffle(blocks.begin(), blocks.end(), std::mt19937_64(shuffle_seed++));
+  for (const uint3& block_index : blocks) {
+    blockIdx = block_index;
+    run_block(body, &call, (int)threads);
+  }
   return cudaSuccess;
 }
 
