@@ -48,6 +48,16 @@ FSD_INLINE bool temperature_in_range(F tau) { return tau >= F(0) && tau <= F(FLT
 template <typename F>
 FSD_INLINE bool div_temperature_in_range(F tau) { return tau > F(0) && tau <= F(FLT_MAX); }
 
+// 1 / tau for a temperature tau > 0, saturated at kMaxInverseTemperature where it overflows (tau
+// below about 6e-39). Every kernel scales logits by this one factor; the bound leaves the CUDA
+// kernels room for it in log2 units (inv * log2 e). The reference divides by tau instead: for such
+// a tiny tau the two differ only at logits within ~1e-36 of the row maximum but not equal to it.
+constexpr float kMaxInverseTemperature = FLT_MAX / 2;
+FSD_INLINE float inverse_temperature(float tau) {
+  const float inv = 1.0f / tau;
+  return inv < kMaxInverseTemperature ? inv : kMaxInverseTemperature;
+}
+
 // Optional top-k / top-p / min-p filter, applied identically to target and draft (DESIGN.md 2).
 // Each is a logit cutoff: a token survives when its logit is >= the cutoff. Applied in order
 // top-k, top-p (on the top-k renormalised distribution), min-p.

@@ -49,11 +49,6 @@ struct Dist {
   }
 };
 
-inline float inverse_temperature(float tau) {
-  const float inv = 1.0f / tau;
-  return inv < FLT_MAX ? inv : FLT_MAX;  // tiny tau: s stays 0 at the max, -huge elsewhere
-}
-
 struct RowScan {
   float max = -kInf;    // the largest logit as load_logit sees it (+inf counts as FLT_MAX)
   int64_t argmax = 0;   // the lowest id holding it

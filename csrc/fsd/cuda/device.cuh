@@ -328,11 +328,6 @@ __device__ __forceinline__ RowStat block_stage_stat(const T* __restrict__ row, T
 
 __device__ __forceinline__ bool stat_good(int32_t flags) { return !(flags & kHasNaN) && (flags & kHasFinite); }
 
-__device__ __forceinline__ float inverse_temperature(float tau) {
-  const float inv = 1.0f / tau;
-  return inv < FLT_MAX ? inv : FLT_MAX;
-}
-
 // ---------------------------------------------------------------------------------------------
 // A distribution over one vocabulary row:
 //   s_j = (z_j - max) * inv,  log p_j = s_j - log_sum if s_j >= cut, else -inf;  or one-hot.

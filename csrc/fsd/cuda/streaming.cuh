@@ -125,8 +125,8 @@ struct StatMerge {
   }
 };
 
-// An inverse temperature in log2 units, saturated like the inverse temperature itself (a tiny
-// temperature gives FLT_MAX, and 0 * inf would be NaN at the maximum).
+// An inverse temperature in log2 units. inverse_temperature (common.h) leaves room for the factor;
+// the saturation only guards a caller's larger value (0 * inf would be NaN at the maximum).
 FSD_INLINE float log2_scale(float inv) {
   const float scale = inv * kLog2e;
   return scale < FLT_MAX ? scale : FLT_MAX;

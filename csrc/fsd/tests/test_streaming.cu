@@ -332,6 +332,10 @@ void test_fast_functions() {
   EXPECT(fast_exp2(-INFINITY) == 0.0f && fast_exp2(0.0f) == 1.0f && fast_exp2(-130.0f) == 0.0f);
   EXPECT(std::isnan(max_nan(1.0f, NAN)) && std::isnan(max_nan(NAN, 1.0f)) && max_nan(-INFINITY, 2.0f) == 2.0f);
   EXPECT(log2_scale(FLT_MAX) == FLT_MAX && log2_scale(1.0f) == kLog2e);
+  // The saturated inverse temperature of a tiny tau still has an exact-factor log2 scale, so the
+  // statistics (2^(x log2_scale)) and the sampling weights (e^(x inv)) use one distribution.
+  const float inv = fsd::inverse_temperature(1.4e-45f);
+  EXPECT(inv == fsd::kMaxInverseTemperature && log2_scale(inv) < FLT_MAX && log2_scale(inv) == inv * kLog2e);
   EXPECT(fast_log2(1.0f) == 0.0f && fast_log2(2.0f) == 1.0f);
 }
 
