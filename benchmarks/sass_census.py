@@ -16,7 +16,8 @@ differs (an SFU instruction occupies its pipe 8x longer than an FMA on sm_90).
     python benchmarks/sass_census.py --check         # also fail (exit 1) above the budgets below
     python benchmarks/sass_census.py --arch 80 --out results/
 
-Needs nvcc and cuobjdump (the CUDA toolkit's, or `pip install nvidia-cuda-cuobjdump`).
+Needs nvcc, cuobjdump and nvdisasm, which cuobjdump runs to print SASS (the CUDA toolkit's, or
+`pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ BUDGETS = {
 
 
 def find_tool(name: str) -> str | None:
-    """A CUDA binary on PATH, beside nvcc, or from the nvidia-cuda-cuobjdump wheel."""
+    """A CUDA binary on PATH, beside nvcc, or from an nvidia-cuda-* wheel (nvidia/cu*/bin)."""
     found = shutil.which(name)
     if found:
         return found
@@ -64,6 +65,15 @@ def find_tool(name: str) -> str | None:
     return None
 
 
+TOOLS = ("nvcc", "cuobjdump", "nvdisasm")
+INSTALL_HINT = "pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm"
+
+
+def missing_tools() -> list[str]:
+    """The census's tools that find_tool cannot find."""
+    return [name for name in TOOLS if find_tool(name) is None]
+
+
 def disassemble(arch: str, common_case: bool, work: Path, nvcc: str, cuobjdump: str) -> str:
     cubin = work / f"census_{arch}_{int(common_case)}.cubin"
     cmd = [nvcc, "-std=c++17", "-O3", "--expt-relaxed-constexpr", f"-I{ROOT / 'csrc'}",
@@ -71,7 +81,14 @@ def disassemble(arch: str, common_case: bool, work: Path, nvcc: str, cuobjdump: 
     if common_case:
         cmd.insert(1, "-DFSD_CENSUS_COMMON_CASE")
     subprocess.run(cmd, check=True)
-    return subprocess.run([cuobjdump, "-sass", str(cubin)], check=True, capture_output=True, text=True).stdout
+    # cuobjdump runs nvdisasm for -sass (the 13.x wheels: "Could not find executable file
+    # 'nvdisasm'"); put the one found on its PATH.
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(find_tool("nvdisasm")).parent), env.get("PATH", "")])
+    done = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"cuobjdump -sass failed ({done.returncode}): {done.stderr.strip()}")
+    return done.stdout
 
 
 def functions(sass: str) -> dict[str, list[tuple[int, str]]]:
@@ -106,9 +123,10 @@ def main_loop(instructions: list[tuple[int, str]]) -> list[str]:
 
 
 def census(arch: str) -> list[dict]:
+    missing = missing_tools()
+    if missing:
+        raise SystemExit(f"sass_census: needs {', '.join(missing)} ({INSTALL_HINT})")
     nvcc, cuobjdump = find_tool("nvcc"), find_tool("cuobjdump")
-    if not nvcc or not cuobjdump:
-        raise SystemExit("sass_census: needs nvcc and cuobjdump (pip install nvidia-cuda-cuobjdump)")
     with tempfile.TemporaryDirectory() as tmp:
         listings = {common: functions(disassemble(arch, common, Path(tmp), nvcc, cuobjdump))
                     for common in (False, True)}

@@ -162,8 +162,8 @@ def test_sass_census_of_this_tree_is_within_budget():
     """The census itself (nvcc + cuobjdump, no GPU): every budgeted loop compiles within budget and
     the js / mkl second pass takes three SFU instructions per id, kl two, the statistics one."""
     census = load_benchmark("sass_census")
-    if census.find_tool("nvcc") is None or census.find_tool("cuobjdump") is None:
-        pytest.skip("needs nvcc and cuobjdump (pip install nvidia-cuda-cuobjdump)")
+    if census.missing_tools():
+        pytest.skip(f"needs {', '.join(census.missing_tools())} ({census.INSTALL_HINT})")
     rows = {r["kernel"]: r for r in census.census("90")}
     assert census.over_budget(list(rows.values())) == []
     assert rows["pass_two_bf16_js"]["sfu_per_id"] == 3.0 and rows["pass_two_bf16_kl"]["sfu_per_id"] == 2.0
