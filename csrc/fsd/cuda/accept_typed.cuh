@@ -10,15 +10,11 @@
 namespace fsd {
 namespace cuda {
 
-// Launch configuration of `grid` blocks of kThreads with one launch attribute (which the caller
-// keeps alive until the launch).
+// kernel_config (launch_util.h) with one launch attribute (which the caller keeps alive until the
+// launch).
 inline cudaLaunchConfig_t attributed_config(unsigned grid, size_t bytes, cudaStream_t stream,
                                             cudaLaunchAttribute* attribute) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = bytes;
-  config.stream = stream;
+  cudaLaunchConfig_t config = kernel_config(dim3(grid), bytes, stream);
   config.attrs = attribute;
   config.numAttrs = 1;
   return config;

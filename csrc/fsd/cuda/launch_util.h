@@ -20,16 +20,24 @@
 namespace fsd {
 namespace cuda {
 
+// Launch configuration of `grid` blocks of kThreads with `bytes` of dynamic shared memory on
+// `stream`, no launch attributes.
+inline cudaLaunchConfig_t kernel_config(dim3 grid, size_t bytes, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = bytes;
+  config.stream = stream;
+  return config;
+}
+
 // Launches `kernel` on `grid` blocks of kThreads on `stream` and returns the launch's error.
 // cudaLaunchKernelEx, not <<< >>>: the one launch form of the library (the cluster and dependent
 // launches need it anyway), which the CPU simulation of the kernels (csrc/fsd/tests/cuda_sim) also
 // implements.
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, cudaStream_t stream, Args&&... args) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(kThreads);
-  config.stream = stream;
+  const cudaLaunchConfig_t config = kernel_config(grid, 0, stream);
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
