@@ -664,7 +664,7 @@ __global__ void __launch_bounds__(kThreads, kFused ? 2 : 4) accept_stats_kernel(
 // read last is the likeliest to be in L1 / L2), with no shared-memory copy to limit occupancy.
 template <typename T, bool kStaged>
 __global__ void __launch_bounds__(kThreads, 2) accept_cluster_kernel(const AcceptProblem pb, const AcceptWorkspace ws) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if FSD_CLUSTER_KERNELS
   const int64_t k = pb.max_draft, positions = k + 1, splits = ws.splits;
   const int64_t c = blockIdx.x % splits, i = (blockIdx.x / splits) % positions, b = blockIdx.x / (splits * positions);
   const int64_t nd = row_num_draft(pb, b);

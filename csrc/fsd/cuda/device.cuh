@@ -25,6 +25,14 @@
 #include "fsd/cuda/streaming.cuh"
 #include "fsd/rules.h"
 
+// Thread-block clusters (accept.cuh's cluster kernels): device code for sm_90 and newer, and the
+// CPU simulation of the kernels (csrc/fsd/tests/cuda_sim), which runs a cluster's blocks at once.
+#if (defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900) || defined(FSD_CUDA_SIM)
+#define FSD_CLUSTER_KERNELS 1
+#else
+#define FSD_CLUSTER_KERNELS 0
+#endif
+
 namespace fsd {
 namespace cuda {
 

@@ -1,8 +1,8 @@
 // CPU simulation (see cuda_runtime.h here) of the cooperative-groups calls fsd-ext's kernels make:
 // coalesced_threads / labeled_partition / reduce in add_to_bin (device.cuh). Here every group is the
 // calling thread alone, one of the partitions the CUDA model allows (lanes that diverged each form
-// their own coalesced group), so a group's reduction is the thread's own value. this_cluster is
-// declared for the cluster kernels, whose bodies compile only for sm_90 devices.
+// their own coalesced group), so a group's reduction is the thread's own value. this_cluster().sync()
+// is the simulation's cluster barrier (a block barrier outside a cluster launch: a cluster of one).
 #pragma once
 
 #include "cuda_runtime.h"
@@ -23,5 +23,10 @@ struct plus {
 };
 template <typename T, typename Op>
 T reduce(const coalesced_group&, T value, Op) { return value; }
+
+struct cluster_group {
+  void sync() const { sim::cluster_sync(); }
+};
+inline cluster_group this_cluster() { return {}; }
 
 }  // namespace cooperative_groups
