@@ -17,6 +17,7 @@
 //
 // Usage: test_cuda_sim [cases]   (default $FSD_SIM_CASES or 300; exit status 1 on a failed check;
 // FSD_SIM_SEED=n draws other cases, FSD_SIM_VERBOSE=1 prints the inputs of rows that differ)
+//        test_cuda_sim --sampling-parity V rows scale   (a diagnostic, see sampling_parity)
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -350,9 +351,77 @@ void compare_uniforms() {
   }
 }
 
+// Diagnostic (not part of the test): how often CPU and CUDA sampled tokens differ on `rows` rows of
+// N(0, scale^2) float32 logits of `vocab` ids, through fsd_ext.sample and through accept's bonus /
+// correction (sd, drafts the draft's argmax, draft = target + N(0, 0.3^2)). Each inverse CDF
+// compares u * total with cumulative sums; where a kernel's total is not the sum of the weights it
+// scans (a separate statistics pass), the two kernels' boundaries differ by that rounding.
+int sampling_parity(int64_t vocab, int64_t rows, float scale) {
+  Rng rng(5);
+  default_launch(2);
+  SampleCase s;
+  s.logits.dtype = DType::Float32;
+  s.logits.rows = rows;
+  s.logits.vocab = s.logits.row_stride = vocab;
+  s.logits.values.resize(rows * vocab);
+  for (float& v : s.logits.values) v = scale * rng.normal();
+  store_logits(s.logits);
+  fsd::SampleProblem& p = s.problem;
+  p.batch = rows, p.positions = 1, p.vocab = vocab, p.dtype = DType::Float32, p.logits = s.logits.data();
+  p.stride_s = p.stride_b = vocab;
+  p.temperature.scalar = 1.0f;
+  p.key.seed.scalar = 77;
+  std::vector<int64_t> cpu(rows), gpu(rows);
+  p.tokens = cpu.data();
+  fsd::cpu::sample(p);
+  p.tokens = gpu.data();
+  CHECK(fsd::cuda::launch_sample(p, nullptr) == cudaSuccess, "launch");
+  int64_t sample_differ = 0;
+  for (int64_t r = 0; r < rows; ++r) sample_differ += cpu[r] != gpu[r];
+
+  const int64_t k = 3;
+  AcceptCase c;
+  for (Logits* l : {&c.target, &c.draft}) l->dtype = DType::Float32, l->vocab = l->row_stride = vocab;
+  c.target.rows = rows * (k + 1), c.draft.rows = rows * k;
+  c.target.values.resize(c.target.rows * vocab);
+  c.draft.values.resize(c.draft.rows * vocab);
+  for (float& v : c.target.values) v = scale * rng.normal();
+  for (int64_t r = 0; r < c.draft.rows; ++r)
+    for (int64_t j = 0; j < vocab; ++j)
+      c.draft.values[r * vocab + j] = c.target.at(r / k * (k + 1) + r % k, j) + 0.3f * rng.normal();
+  store_logits(c.target);
+  store_logits(c.draft);
+  c.num_draft.assign(rows, k);
+  c.tokens64.resize(rows * k);
+  for (int64_t r = 0; r < rows * k; ++r) c.tokens64[r] = c.draft.argmax(r);
+  bind_accept_problem(c, rows, k, false, false);
+  c.problem.rule = fsd::Rule::SD;
+  c.problem.temperature.scalar = c.problem.div_temperature.scalar = 1.0f;
+  c.problem.key.seed.scalar = 123;
+  AcceptOutputs a, g;
+  a.attach(c.problem);
+  fsd::cpu::accept(c.problem);
+  fsd::AcceptProblem q = c.problem;
+  g.attach(q);
+  CHECK(launch_accept_on(q, 0), "launch");
+  int64_t bonus_rows = 0, bonus_differ = 0, correction_differ = 0, accepted_differ = 0;
+  for (int64_t b = 0; b < rows; ++b) {
+    bonus_rows += a.accepted[b] == k;
+    if (a.accepted[b] != g.accepted[b]) ++accepted_differ;
+    else if (a.tokens[b * (k + 1) + a.accepted[b]] != g.tokens[b * (k + 1) + a.accepted[b]])
+      ++(a.accepted[b] == k ? bonus_differ : correction_differ);
+  }
+  std::printf("V %ld, N(0, %g^2) logits: sample %ld of %ld rows differ; accept: bonus %ld of %ld, correction %ld of %ld, "
+              "accepted counts %ld\n", (long)vocab, scale, (long)sample_differ, (long)rows, (long)bonus_differ,
+              (long)bonus_rows, (long)correction_differ, (long)(rows - bonus_rows), (long)accepted_differ);
+  return fsd_test::failures ? 1 : 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc == 5 && std::strcmp(argv[1], "--sampling-parity") == 0)
+    return sampling_parity(std::atoll(argv[2]), std::atoll(argv[3]), (float)std::atof(argv[4]));
   const char* env_cases = std::getenv("FSD_SIM_CASES");
   const int cases = argc > 1 ? std::atoi(argv[1]) : env_cases ? std::atoi(env_cases) : 300;
   const char* env_seed = std::getenv("FSD_SIM_SEED");  // another campaign of random cases
