@@ -39,6 +39,31 @@ def assert_same_result(kernel, ref, *, div_rtol=1e-5, div_atol=1e-6):
                                    equal_nan=True)
 
 
+def rows_agree(a, b) -> torch.Tensor:
+    """[B] bool: the rows of two accept results whose tokens, num_accepted and valid all agree."""
+    return (a.tokens == b.tokens).all(1) & (a.num_accepted == b.num_accepted) & (a.valid == b.valid)
+
+
+def agreement_up_to_ties(result, target, draft, tokens, *, seed, offset=0, nudge=1e-5, **kwargs) -> float:
+    """Fraction of rows where `result` (a kernel's accept result, on the CPU) equals the reference's,
+    a differing row counting as agreeing when the reference gives it with every uniform scaled by
+    1 - nudge or 1 + nudge: a rounding tie, a uniform within ~1e-5 relative of a boundary of an
+    inverse CDF or a coin's ratio. (A kernel compares u * total with cumulative sums whose total
+    comes from another pass, so its boundaries sit ~1e-7 relative from the float64 reference's: at
+    V = 151936 about 1% of samples from flat logits fall between them.) A wrong token, count or
+    validity elsewhere still counts as a disagreement."""
+    batch, k = tokens.shape
+    same = rows_agree(result, reference.accept(target, draft, tokens, seed=seed, offset=offset, **kwargs))
+    coin = reference.philox_uniforms(seed, offset, batch, k, 1)
+    sample = reference.philox_uniforms(seed, offset, batch, k + 1, 2)
+    below_one = 1.0 - 2.0 ** -53
+    for factor in (1.0 - nudge, 1.0 + nudge):
+        nudged = reference.accept(target, draft, tokens, coin_uniforms=(coin * factor).clamp(max=below_one),
+                                  sample_uniforms=(sample * factor).clamp(max=below_one), **kwargs)
+        same |= rows_agree(result, nudged)
+    return same.float().mean().item()
+
+
 FILTER_ROW_SHAPES = ("flat", "peaked", "ties", "masked", "bf16", "three_finite", "signed_zeros")
 
 

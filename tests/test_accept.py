@@ -7,7 +7,8 @@ import torch
 
 import fsd_ext
 from fsd_ext import reference
-from helpers import FILTER_ROW_SHAPES, assert_same_result, both, filter_rows, make_problem
+from helpers import (FILTER_ROW_SHAPES, agreement_up_to_ties, assert_same_result, both, filter_rows, make_problem,
+                     rows_agree)
 
 RULES = ["greedy", "sd", "fsd", "fsd_strict"]
 DIVERGENCES = ["kl", "rkl", "js", "tv", "mkl"]
@@ -272,6 +273,27 @@ def test_fed_uniforms_reproduce_kernel_tokens():
     ref = reference.accept(target, draft, tokens, rule="fsd", threshold=0.2, coin_uniforms=coins,
                            sample_uniforms=samples)
     assert torch.equal(res.tokens, ref.tokens)
+
+
+def test_agreement_up_to_ties_counts_rounding_ties_only():
+    """The GPU tests' tie-aware comparison (helpers.agreement_up_to_ties). Bonus-only rows (K = 0)
+    of two ids, p_0 just above the row's sampling uniform u (1e-6 relative) in rows 0-2: the
+    reference emits id 0, and a kernel whose sums round the other way would emit id 1 (a tie).
+    In rows 3-5 p_0 is far from u: id 1 there is a wrong answer."""
+    batch, seed = 6, 7
+    u = reference.philox_uniforms(seed, 0, batch, 1, 2)[:, 0]
+    near = torch.arange(batch) < 3
+    p0 = torch.where(near, u * (1 + 1e-6), torch.where(u < 0.5, u + 0.4, u - 0.4))
+    target = torch.stack([p0, 1 - p0], -1).log().float()[:, None, :]  # [B, 1, 2]
+    draft, tokens = torch.zeros(batch, 0, 2), torch.zeros(batch, 0, dtype=torch.int64)
+    kw = dict(rule="sd", temperature=1.0, seed=seed)
+    ref = reference.accept(target, draft, tokens, **kw)
+    assert ref.tokens[:, 0].tolist() == (p0 <= u).long().tolist()  # id 0 where p_0 > u
+    assert agreement_up_to_ties(ref, target, draft, tokens, **kw) == 1.0
+    assert agreement_up_to_ties(fsd_ext.accept(target, draft, tokens, **kw), target, draft, tokens, **kw) == 1.0
+    flipped = ref._replace(tokens=1 - ref.tokens)
+    assert not bool(rows_agree(flipped, ref).any())
+    assert agreement_up_to_ties(flipped, target, draft, tokens, **kw) == 0.5  # rows 0-2 only
 
 
 def test_strided_logits_are_read_in_place():
