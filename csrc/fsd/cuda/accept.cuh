@@ -324,6 +324,7 @@ struct FinalShared {
   int64_t chunk;       // the chunk the sample lies in (-1: rounding ran past the end)
   int64_t last_chunk;  // the last chunk with positive weight
   double base, target;
+  double chunk_mass;    // the chosen chunk's total in step 4's sums
   int32_t mode;         // after the acceptance scan: done, or what to sample
   int32_t sample_mode;  // after step 4: mode, or p when the residual has no mass (a separate
                         // field: other warps may still be reading mode while warp 0 decides)
@@ -454,6 +455,7 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
     const int lane = threadIdx.x & 31;
     double base = 0.0;
     int64_t chosen = -1, last_chunk = 0;
+    double chosen_mass = 0.0;
     for (int64_t round = 0; round < splits; round += 32) {
       const int64_t c = round + lane;
       const double w = c < splits ? chunk_total(c) : 0.0;
@@ -470,6 +472,7 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
         if (crossing) {
           const int first = __ffs(crossing) - 1;
           chosen = round + first;
+          chosen_mass = __shfl_sync(0xFFFFFFFFu, w, first);
           base += __shfl_sync(0xFFFFFFFFu, inclusive - w, first);
         } else {
           base += __shfl_sync(0xFFFFFFFFu, inclusive, 31);
@@ -482,6 +485,7 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
       sh.last_chunk = last_chunk;
       sh.base = base;
       sh.target = target;
+      sh.chunk_mass = chosen_mass;
     }
   }
   __syncthreads();
@@ -500,11 +504,14 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
     return pp > qq ? pp - qq : 0.0f;
   };
   const int64_t chosen = sh.chunk, last_chunk = sh.last_chunk;
-  const double base = sh.base, target_mass = sh.target;
   int64_t last_positive = -1, token = -1;
   if (chosen >= 0) {
+    // Where u * total falls inside the chunk, as a share of the chunk's mass in step 4's sums,
+    // measured in the weights the scan adds up (their own total: see block_weight_total).
     const int64_t begin = chosen * ws.chunk, end = min(pb.target_vocab, begin + ws.chunk);
-    token = block_inverse_cdf(begin, end, base, target_mass, weight, sh.scan, last_positive);
+    const double own = block_weight_total(begin, end, weight, sh.scan);
+    const double share = sh.chunk_mass > 0.0 ? (sh.target - sh.base) / sh.chunk_mass : 0.0;
+    token = block_inverse_cdf(begin, end, 0.0, share * own, weight, sh.scan, last_positive);
     if (token < 0) token = last_positive;
   }
   if (token < 0) {  // u * total rounded past the end: the last positive-weight id

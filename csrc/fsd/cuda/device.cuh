@@ -646,6 +646,28 @@ __device__ __forceinline__ int64_t block_inverse_cdf(int64_t begin, int64_t end,
   return result;
 }
 
+// The total of weights weight_of(id) over ids [begin, end), summed exactly as block_inverse_cdf
+// accumulates them (per thread kScanItems contiguous ids in double, tile aggregates in order), so
+// that a target of u * this total puts the boundaries at the scan's own cumulative sums. (A total
+// from another pass, e.g. the online statistics, differs by a rounding of ~1e-7 relative, and
+// about V * 1e-7 of the draws would then fall between this kernel's and the CPU kernel's
+// boundaries.) Valid in all threads.
+template <typename WeightFn>
+__device__ __forceinline__ double block_weight_total(int64_t begin, int64_t end, WeightFn weight_of, ScanShared& sh) {
+  double total = 0.0;
+  for (int64_t tile = begin; tile < end; tile += (int64_t)kThreads * kScanItems) {
+    const int64_t first = tile + (int64_t)threadIdx.x * kScanItems;
+    double mine = 0.0;
+#pragma unroll
+    for (int i = 0; i < kScanItems; ++i) mine += first + i < end ? (double)weight_of(first + i) : 0.0;
+    double before, aggregate;
+    cub::BlockScan<double, kThreads>(sh.scan).ExclusiveSum(mine, before, aggregate);
+    __syncthreads();  // (the scan's storage is reused by the next tile)
+    total += aggregate;
+  }
+  return total;
+}
+
 // The id of the `rank`-th (1-based) id in [0, n) with key == `key` in id order (div_top_k ties).
 template <typename KeyAt>
 __device__ __forceinline__ int64_t block_nth_tie(int64_t n, uint32_t key, uint32_t rank, KeyAt key_at, ScanShared& sh) {

@@ -78,17 +78,17 @@ __global__ void __launch_bounds__(kThreads, 2) sample_rows_kernel(const SamplePr
     if (threadIdx.x == 0) *out = stat_good(st.flags) ? (int64_t)st.argmax : -1;
     return;
   }
-  float cut = -kInf;
-  double sum = st.sum_s;
-  if (pb.filter.active()) {
-    cut = block_filter_cutoff(row, pb.vocab, st.max, inv, pb.filter, select, temp.sum, shared_double);
-    sum = block_kept_sum(row, pb.vocab, st.max, inv, cut, temp.sum, shared_double);
-  }
-  const Dist p = softmax_dist(st.max, inv, cut, sum);
+  const float cut = pb.filter.active()
+                        ? block_filter_cutoff(row, pb.vocab, st.max, inv, pb.filter, select, temp.sum, shared_double)
+                        : -kInf;
+  // The draw is u times the total of the very weights the scan adds up (block_weight_total), so
+  // p's weights need no normaliser (its sum, which weight() does not read, is the unfiltered one).
+  const Dist p = softmax_dist(st.max, inv, cut, (double)st.sum_s);
   const double u = draw_uniform(pb.key, b, s, Purpose::Draft);
   auto weight = [&](int64_t j) { return p.weight(load_logit(row + j)); };
+  const double total = block_weight_total(0, pb.vocab, weight, scan);
   int64_t last_positive = -1;
-  int64_t token = block_inverse_cdf(0, pb.vocab, 0.0, u * sum, weight, scan, last_positive);
+  int64_t token = block_inverse_cdf(0, pb.vocab, 0.0, u * total, weight, scan, last_positive);
   if (token < 0) token = last_positive >= 0 ? last_positive : st.argmax;
   if (threadIdx.x == 0) *out = token;
 }

@@ -31,6 +31,7 @@
 #include "../fuzz_inputs.h"
 #include "fsd/cpu/kernels.h"
 #include "fsd/cuda/launch.h"
+#include "fsd/philox.h"
 
 namespace {
 
@@ -353,9 +354,43 @@ void compare_uniforms() {
 
 // Diagnostic (not part of the test): how often CPU and CUDA sampled tokens differ on `rows` rows of
 // N(0, scale^2) float32 logits of `vocab` ids, through fsd_ext.sample and through accept's bonus /
-// correction (sd, drafts the draft's argmax, draft = target + N(0, 0.3^2)). Each inverse CDF
-// compares u * total with cumulative sums; where a kernel's total is not the sum of the weights it
-// scans (a separate statistics pass), the two kernels' boundaries differ by that rounding.
+// correction (sd, drafts the draft's argmax, draft = target + N(0, 0.3^2)), and which kernel is off
+// the exact (long double) draw. Each inverse CDF compares u * total with cumulative sums; where a
+// total is not the sum of the weights scanned (but from a separate statistics pass), the
+// boundaries move by that rounding, and about V * 1e-7 of the draws land between two kernels'.
+// The id an exact inverse CDF (long double) draws with uniform u from weights w >= 0.
+int64_t exact_inverse_cdf(const std::vector<long double>& w, double u) {
+  long double total = 0.0L, cumulative = 0.0L;
+  for (const long double x : w) total += x;
+  int64_t last = -1;
+  for (size_t j = 0; j < w.size(); ++j) {
+    if (w[j] <= 0.0L) continue;
+    last = (int64_t)j;
+    if ((cumulative += w[j]) > (long double)u * total) return last;
+  }
+  return last;
+}
+
+// Softmax probabilities (long double) of n logits.
+std::vector<long double> exact_softmax(const Logits& l, int64_t row) {
+  std::vector<long double> p(l.vocab);
+  long double max = -INFINITY, total = 0.0L;
+  for (int64_t j = 0; j < l.vocab; ++j) max = std::max<long double>(max, l.at(row, j));
+  for (int64_t j = 0; j < l.vocab; ++j) total += p[j] = std::exp((long double)l.at(row, j) - max);
+  for (long double& x : p) x /= total;
+  return p;
+}
+
+// Rows where the kernels differ, and how many of those each kernel got wrong against the exact draw.
+struct Attribution {
+  int64_t differ = 0, cpu_off = 0, cuda_off = 0;
+  void add(int64_t cpu, int64_t cuda, int64_t exact) {
+    differ += cpu != cuda;
+    cpu_off += cpu != cuda && cpu != exact;
+    cuda_off += cpu != cuda && cuda != exact;
+  }
+};
+
 int sampling_parity(int64_t vocab, int64_t rows, float scale) {
   Rng rng(5);
   default_launch(2);
@@ -376,8 +411,10 @@ int sampling_parity(int64_t vocab, int64_t rows, float scale) {
   fsd::cpu::sample(p);
   p.tokens = gpu.data();
   CHECK(fsd::cuda::launch_sample(p, nullptr) == cudaSuccess, "launch");
-  int64_t sample_differ = 0;
-  for (int64_t r = 0; r < rows; ++r) sample_differ += cpu[r] != gpu[r];
+  Attribution sampled;
+  for (int64_t r = 0; r < rows; ++r)
+    sampled.add(cpu[r], gpu[r], cpu[r] == gpu[r] ? cpu[r] : exact_inverse_cdf(exact_softmax(s.logits, r),
+                                                                   fsd::draw_uniform(p.key, r, 0, fsd::Purpose::Draft)));
 
   const int64_t k = 3;
   AcceptCase c;
@@ -404,16 +441,32 @@ int sampling_parity(int64_t vocab, int64_t rows, float scale) {
   fsd::AcceptProblem q = c.problem;
   g.attach(q);
   CHECK(launch_accept_on(q, 0), "launch");
-  int64_t bonus_rows = 0, bonus_differ = 0, correction_differ = 0, accepted_differ = 0;
+  int64_t bonus_rows = 0, accepted_differ = 0;
+  Attribution bonus, correction;
   for (int64_t b = 0; b < rows; ++b) {
-    bonus_rows += a.accepted[b] == k;
-    if (a.accepted[b] != g.accepted[b]) ++accepted_differ;
-    else if (a.tokens[b * (k + 1) + a.accepted[b]] != g.tokens[b * (k + 1) + a.accepted[b]])
-      ++(a.accepted[b] == k ? bonus_differ : correction_differ);
+    const int64_t at = a.accepted[b], cpu_token = a.tokens[b * (k + 1) + at], cuda_token = g.tokens[b * (k + 1) + at];
+    bonus_rows += at == k;
+    if (at != g.accepted[b]) {
+      ++accepted_differ;
+      continue;
+    }
+    int64_t exact = cpu_token;
+    if (cpu_token != cuda_token) {  // the exact draw: from p (bonus) or the residual max(0, p - q)
+      std::vector<long double> w = exact_softmax(c.target, b * (k + 1) + at);
+      if (at < k) {
+        const std::vector<long double> q = exact_softmax(c.draft, b * k + at);
+        for (int64_t j = 0; j < vocab; ++j) w[j] = std::max(0.0L, w[j] - q[j]);
+      }
+      exact = exact_inverse_cdf(w, fsd::draw_uniform(c.problem.key, b, at, fsd::Purpose::Sample));
+    }
+    (at == k ? bonus : correction).add(cpu_token, cuda_token, exact);
   }
-  std::printf("V %ld, N(0, %g^2) logits: sample %ld of %ld rows differ; accept: bonus %ld of %ld, correction %ld of %ld, "
-              "accepted counts %ld\n", (long)vocab, scale, (long)sample_differ, (long)rows, (long)bonus_differ,
-              (long)bonus_rows, (long)correction_differ, (long)(rows - bonus_rows), (long)accepted_differ);
+  std::printf("V %ld, N(0, %g^2) logits, rows where the kernels differ (of them, CPU / CUDA off the exact draw):\n"
+              "  sample %ld of %ld (%ld / %ld); accept bonus %ld of %ld (%ld / %ld), correction %ld of %ld (%ld / %ld); "
+              "accepted counts %ld\n",
+              (long)vocab, scale, (long)sampled.differ, (long)rows, (long)sampled.cpu_off, (long)sampled.cuda_off,
+              (long)bonus.differ, (long)bonus_rows, (long)bonus.cpu_off, (long)bonus.cuda_off, (long)correction.differ,
+              (long)(rows - bonus_rows), (long)correction.cpu_off, (long)correction.cuda_off, (long)accepted_differ);
   return fsd_test::failures ? 1 : 0;
 }
 
