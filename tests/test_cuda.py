@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from fsd_ext import reference
-from helpers import FILTER_ROW_SHAPES, agreement_up_to_ties, filter_rows
+from helpers import FILTER_ROW_SHAPES, agreement_up_to_ties, filter_rows, rows_agree
 
 pytestmark = [
     pytest.mark.cuda,
@@ -79,8 +79,7 @@ def run_accept(fops, device, target, draft, tokens, **kw):
 
 def agreement(a, b):
     """Fraction of rows whose tokens, num_accepted and valid all agree."""
-    same = (a.tokens == b.tokens).all(1) & (a.num_accepted == b.num_accepted) & (a.valid == b.valid)
-    return same.float().mean().item()
+    return rows_agree(a, b).float().mean().item()
 
 
 # ----------------------------------------------------------------------------------------------
