@@ -19,7 +19,9 @@
 #      and torch.compile; then the torch-free step timer and phase tracer (benchmarks/
 #      accept_trace.cu, built by benchmarks/build_accept_trace.sh in the background during steps
 #      2-4 unless carried): per shape a step's time eager, in a one-step graph and per step of a
-#      multi-step graph, and where inside the kernels a step's time goes;
+#      multi-step graph, and where inside the kernels a step's time goes; then the sampling
+#      benchmark (benchmarks/bench_sample_cuda.py: fsd_ext.sample eager and in a graph, % of copy
+#      bandwidth, against eager PyTorch and torch.multinomial);
 #   5. decoding with CUDA graphs (benchmarks/bench_decode_graphs.py): tokens/s eager vs graphs on a
 #      first call (captures) and on later calls (graphs reused), random-weight models of the
 #      Qwen2.5-Coder 1.5B / 0.5B shapes, batch 1 and 8, AR and SD, and against HF at batch 1;
@@ -40,7 +42,7 @@
 #
 # What comes back from $OUT is limited (the device tool returns at most 8 files), so $OUT holds
 # gpu_check.tgz (every log, junit XML and benchmark JSON, re-packed after each step, so a kill
-# still leaves the steps before it), summary.txt and the two benchmark tables (.md).
+# still leaves the steps before it), summary.txt and the benchmark tables (.md).
 # Exit status: non-zero if any step failed (later steps still run when the build succeeded).
 set -euo pipefail
 
@@ -67,7 +69,7 @@ note() { echo "=== $*" | tee -a "$WORK/summary.txt"; }
 pack() {  # the archive and the summaries into $OUT (after every step)
   tar czf "$OUT/gpu_check.tgz" -C "$WORK" . 2>/dev/null || true
   cp "$WORK/summary.txt" "$OUT/summary.txt" 2>/dev/null || true
-  cp "$WORK"/bench_accept_cuda.md "$WORK"/bench_decode_graphs.md "$WORK"/ncu_summary.txt \
+  cp "$WORK"/bench_accept_cuda.md "$WORK"/bench_sample_cuda.md "$WORK"/bench_decode_graphs.md "$WORK"/ncu_summary.txt \
     "$WORK"/accept_timing.md "$WORK"/accept_trace.md "$OUT/" 2>/dev/null || true
 }
 # Every step's time limit is its own cap or what is left of DEADLINE seconds, whichever is less, so
@@ -216,6 +218,11 @@ else
   status=1
   pack
 fi
+
+step "sampling benchmark (benchmarks/bench_sample_cuda.py)"
+rc=0
+limited 45 "$PY" benchmarks/bench_sample_cuda.py --out "$WORK" 2>&1 | tee "$WORK/bench_sample.log" || rc=$?
+check "sampling benchmark" "$rc" "$WORK/bench_sample.log" || true
 
 step "the CPU kernels' sources with this machine's C++ compiler ($CXX_BIN)"
 wait "$cxx_pid" || true

@@ -80,7 +80,10 @@ def test_cuda_compile_script(tmp_path):
 def load_benchmark(name: str):
     """benchmarks/<name>.py as a module (the benchmarks are scripts, not a package)."""
     import importlib.util
+    import sys
 
+    if str(ROOT / "benchmarks") not in sys.path:  # as when run as a script: they import each other
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -123,6 +126,29 @@ def test_gpu_benchmark_eager_step_is_the_reference_step(extra):
     wrong = dict(options, top_p=0.5) if options["top_p"] else dict(options, rule="fsd" if options["rule"] == "sd" else "sd")
     n_wrong, pick_wrong, _ = bench.torch_step(target, draft, tokens, coins, uniforms, threshold, **wrong)
     assert not (torch.equal(n_wrong, ref.num_accepted) and torch.equal(pick_wrong, pick))
+
+
+@pytest.mark.parametrize("filters", [{}, {"top_k": 50}, {"top_p": 0.9}], ids=["plain", "top_k", "top_p"])
+def test_sample_benchmark_eager_sampler_is_the_reference_sampler(filters):
+    """benchmarks/bench_sample_cuda.py's eager baseline draws fsd_ext.reference.sample's tokens from
+    the same uniforms (float32 against float64: no row of these sits on a rounding edge)."""
+    from fsd_ext import reference
+
+    bench = load_benchmark("bench_sample_cuda")
+    g = torch.Generator().manual_seed(8)
+    logits = (torch.randn(256, 3000, generator=g) * 3).to(torch.bfloat16)
+    uniforms = torch.rand(256, generator=g, dtype=torch.float64)
+    expected = reference.sample(logits, bench.TEMPERATURE, uniforms=uniforms, **filters)
+    tokens = bench.torch_sample(logits, uniforms.float(), bench.TEMPERATURE, **filters)
+    assert torch.equal(tokens, expected)
+    assert len(set(tokens.tolist())) > 100  # draws spread over the rows' own distributions
+    # Negative control: the comparison notices a sampler with another filter or temperature.
+    other = {"top_k": 5} if not filters else {}
+    assert not torch.equal(bench.torch_sample(logits, uniforms.float(), bench.TEMPERATURE, **other), expected)
+    assert not torch.equal(bench.torch_sample(logits, uniforms.float(), 1.0, **filters), expected)
+    row = dict(shape="B1", eager_us=8.0, graph_us=4.0, gbs=76.0, pct_copy_bw=2.0, torch_eager_us=80.0,
+               speedup_vs_eager=20.0, torch_multinomial_us=40.0, speedup_vs_multinomial=10.0)
+    assert bench.summarize([row]).splitlines()[2] == "| B1 | 8.0 | 4.0 | 76 | 2% | 80.0 | 20.0 | 40.0 | 10.0 |"
 
 
 SASS_LISTING = """
