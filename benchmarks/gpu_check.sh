@@ -48,8 +48,10 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-OUT="${OUT:-$ROOT/build/gpu_check}"
-WORK="$ROOT/build/gpu_check_work"  # everything; $OUT gets the archive and the summaries
+# Build outputs (GPU_CHECK_BUILD: another folder, e.g. for tests/test_gpu_check_script.py's dry run).
+BUILD="${GPU_CHECK_BUILD:-$ROOT/build}"
+OUT="${OUT:-$BUILD/gpu_check}"
+WORK="$BUILD/gpu_check_work"  # everything; $OUT gets the archive and the summaries
 rm -rf "$WORK"
 mkdir -p "$OUT" "$WORK"
 export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
@@ -99,14 +101,14 @@ check() {
 }
 # A build made elsewhere (same torch build, Python and sources: `--prebuild` below writes the stamp)
 # is used as it is, which saves the GPU machine the compile; carry it with the stamp.
-STAMP="$ROOT/build/gpu_prebuilt.stamp"
+STAMP="$BUILD/gpu_prebuilt.stamp"
 source_stamp() {
   { "$PY" -c "import sys, torch; print(sys.version_info[:2], torch.__version__, torch.version.git_version)"
     cat setup.py; find csrc -type f | LC_ALL=C sort | xargs cat; } | sha256sum | cut -d' ' -f1
 }
 skipped() { [[ " ${GPU_CHECK_SKIP:-} " == *" $1 "* ]]; }
 # The torch-free harness (benchmarks/accept_trace.cu) has its own stamp: the kernels and the harness.
-HARNESS="$ROOT/build/accept_trace"
+HARNESS="$BUILD/accept_trace"
 harness_stamp() { { cat benchmarks/accept_trace.cu benchmarks/build_accept_trace.sh; find csrc/fsd -type f | LC_ALL=C sort | xargs cat; } | sha256sum | cut -d' ' -f1; }
 harness_ready() { [[ -x "$HARNESS/accept_timing" && -x "$HARNESS/accept_trace" && -f "$HARNESS/stamp" && "$(cat "$HARNESS/stamp")" == "$(harness_stamp)" ]]; }
 build_harness() {  # (its log: $1)

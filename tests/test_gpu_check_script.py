@@ -1,0 +1,121 @@
+"""A dry run of benchmarks/gpu_check.sh with stand-ins for Python, nvcc and the C++ compiler.
+
+The script only ever runs on a lent GPU machine, whose minutes are few: a shell mistake in it (an
+unset variable under `set -u`, a step that stops the rest, a flag not passed on) would cost a whole
+GPU session. Here every step runs against stubs that log their arguments, so the orchestration is
+checked on any machine: which commands run in which order with which flags, what the summary says,
+what lands in $OUT, and that a failing step is reported without stopping the steps after it.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import tarfile
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Python stand-in: logs its arguments (and the opt-in switches set) and plays each step's part.
+# FAIL_STAGED=1: the opt-in paths' pytest run fails a staged test.
+PYTHON_STUB = r"""#!/usr/bin/env bash
+echo "python $* [STAGED=${FSD_EXT_CUDA_STAGED:-}]" >>"$STUB_LOG"
+case "$*" in
+  "-c import fsd_ext.ops as o; o._ops()") exit 1 ;;  # no prebuilt extension
+  "-c import pytest_timeout") exit 1 ;;
+  "-m pytest"*)
+    if [[ "${FSD_EXT_CUDA_STAGED:-}" == 1 && "${FAIL_STAGED:-}" == 1 ]]; then
+      echo "FAILED tests/test_cuda.py::test_staged_path_matches_reference[bf16]"; exit 1
+    fi
+    echo "3 passed" ;;
+  "benchmarks/bench_accept_cuda.py"*) echo "target B64 bf16 >= 80% copy BW: NOT MET" ;;
+esac
+exit 0
+"""
+
+# nvcc stand-in: a version line, or an executable at the path after -o (the step timer's binaries).
+NVCC_STUB = r"""#!/usr/bin/env bash
+echo "nvcc $*" >>"$STUB_LOG"
+if [[ "$1" == --version ]]; then printf 'nvcc stub\nCuda compilation tools, release 0.0\nend\n'; exit 0; fi
+while (( $# )); do
+  if [[ "$1" == -o ]]; then printf '#!/usr/bin/env bash\necho "| harness %s |"\n' "$2" >"$2"; chmod +x "$2"; fi
+  shift
+done
+"""
+
+CXX_STUB = """#!/usr/bin/env bash
+echo "cxx $*" >>"$STUB_LOG"
+[[ "$1" == --version ]] && echo "c++ stub 1.0"
+exit 0
+"""
+
+
+def dry_run(tmp_path, **env):
+    """(exit status, summary.txt, the stubs' log, $OUT) of one dry run of gpu_check.sh."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    for name, text in (("python", PYTHON_STUB), ("nvcc", NVCC_STUB), ("cxx", CXX_STUB)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "stubs.log"
+    full_env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", PYTHON=str(bin_dir / "python"),
+                    NVCC=str(bin_dir / "nvcc"), CXX=str(bin_dir / "cxx"), OUT=str(out),
+                    GPU_CHECK_BUILD=str(tmp_path / "build"), GPU_CHECK_SKIP="decode ncu sanitizer",
+                    STUB_LOG=str(log), **env)
+    result = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh")], env=full_env, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    summary = (out / "summary.txt").read_text() if (out / "summary.txt").exists() else ""
+    return result.returncode, summary, log.read_text().splitlines(), out, result.stdout + result.stderr
+
+
+needs_tools = pytest.mark.skipif(not all(shutil.which(t) for t in ("bash", "timeout", "tar", "sha256sum")),
+                                 reason="needs bash, timeout, tar and sha256sum")
+
+
+@needs_tools
+def test_gpu_check_runs_every_step_in_order(tmp_path):
+    rc, summary, calls, out, output = dry_run(tmp_path)
+    assert rc == 0, output
+    for step in ("build: ok", "one accept call on the GPU: ok", "CUDA tests: ok",
+                 "CUDA tests, opt-in paths (staged, cluster, PDL): ok", "kernel benchmark: ok",
+                 "step timer and phase tracer: ok", "sampling benchmark: ok",
+                 "C++ compile of csrc/fsd/cpu: ok (c++ stub 1.0)", "decode benchmark skipped",
+                 "ncu profile skipped", "compute-sanitizer memcheck skipped"):
+        assert step in summary, (step, summary)
+    assert "target B64 bf16 >= 80% copy BW: NOT MET" in summary  # the benchmark's verdicts reach the summary
+    python_calls = [c for c in calls if c.startswith("python ")]
+
+    def index(fragment):
+        return next(i for i, c in enumerate(python_calls) if fragment in c)
+
+    # Build, tests, then the opt-in paths' tests (with the staged switch), then both benchmarks.
+    assert index("setup.py build_ext --inplace") < index("-m pytest -m cuda tests/test_cuda.py -k not (staged")
+    staged = python_calls[index("-m pytest -m cuda tests/test_cuda.py -k staged or")]
+    assert staged.endswith("[STAGED=1]")
+    bench = python_calls[index("benchmarks/bench_accept_cuda.py")]
+    assert "--variants SPLITS=1,SPLITS=8,SPLITS=32,PDL=1,CLUSTER=1" in bench and "--no-staged" not in bench
+    assert index("-k staged or") < index("bench_accept_cuda.py") < index("bench_sample_cuda.py")
+    # The step timer was built with nvcc (the stand-in) for sm_90, and ran with its switches.
+    assert any(c.startswith("nvcc ") and "arch=compute_90" in c and "accept_trace.cu" in c for c in calls)
+    assert (out / "accept_timing.md").read_text().startswith("| harness ")
+    with tarfile.open(out / "gpu_check.tgz") as archive:
+        names = set(archive.getnames())
+    assert {"./summary.txt", "./test_cuda.log", "./bench.log", "./bench_sample.log", "./cxx.log"} <= names
+    assert len(list(out.iterdir())) <= 8  # the device tool returns at most 8 files
+
+
+@needs_tools
+def test_gpu_check_reports_a_failed_step_and_goes_on(tmp_path):
+    """A staged test failing: the summary names it, the status is 1, the benchmark still runs, without
+    the staged path but with the PDL and cluster variants (their tests passed)."""
+    rc, summary, calls, _, output = dry_run(tmp_path, FAIL_STAGED="1")
+    assert rc == 1, output
+    assert "CUDA tests, opt-in paths (staged, cluster, PDL): FAILED (rc 1)" in summary
+    assert "FAILED tests/test_cuda.py::test_staged_path_matches_reference[bf16]" in summary
+    assert "the staged path failed its tests" in summary
+    bench = next(c for c in calls if "bench_accept_cuda.py" in c)
+    assert "--no-staged" in bench and "--variants SPLITS=1,SPLITS=8,SPLITS=32,PDL=1,CLUSTER=1" in bench
+    assert "sampling benchmark: ok" in summary and "step timer and phase tracer: ok" in summary
