@@ -417,6 +417,30 @@ struct SelectShared {
   int32_t found;
 };
 
+// One digit of a radix select: bins[d] = the sum of value_of(z, id, key&) over the ids whose value
+// is positive and whose key agrees with the chosen prefix above the digit at `shift` (d: that digit).
+// The prefix is read from shared memory after the first barrier (thread 0 may have just written it).
+// Ends with a barrier: the histogram is complete in every thread.
+template <typename T, typename U, typename ValueKeyFn>
+__device__ __forceinline__ void block_digit_histogram(const T* __restrict__ row, int64_t n, int shift,
+                                                      const uint32_t& shared_prefix, U (&bins)[256],
+                                                      ValueKeyFn value_of) {
+  for (int i = threadIdx.x; i < 256; i += blockDim.x) bins[i] = U(0);
+  __syncthreads();
+  const uint32_t prefix = shared_prefix;
+  const uint32_t high_mask = shift == 24 ? 0u : (0xFFFFFFFFu << (shift + 8));
+  block_for_each(row, 0, n, [&](int64_t j, const float* v, auto width) {
+    constexpr int N = decltype(width)::value;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      uint32_t key;
+      const U value = value_of(clamp_logit(v[i]), j + i, key);
+      if (value > U(0) && (key & high_mask) == (prefix & high_mask)) add_to_bin(bins, (key >> shift) & 0xFFu, value);
+    }
+  });
+  __syncthreads();
+}
+
 // The largest key v such that #{ids with key >= v} >= k (the k-th largest key, ties counted), over
 // ids [0, n) of `row` where key_of(z, id) gives each id's key. Also returns #{key > v} in `greater`.
 // All threads call it; results valid in all threads.
@@ -425,19 +449,10 @@ __device__ __forceinline__ uint32_t block_select_kth(const T* __restrict__ row, 
                                      SelectShared& sh, uint32_t& greater) {
   if (threadIdx.x == 0) sh.prefix = 0, sh.remaining_count = k, sh.greater = 0;
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) sh.hist.count[i] = 0;
-    __syncthreads();
-    const uint32_t prefix = sh.prefix;
-    const uint32_t high_mask = shift == 24 ? 0u : (0xFFFFFFFFu << (shift + 8));
-    block_for_each(row, 0, n, [&](int64_t j, const float* v, auto width) {
-      constexpr int N = decltype(width)::value;
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        const uint32_t key = key_of(clamp_logit(v[i]), j + i);
-        if ((key & high_mask) == (prefix & high_mask)) add_to_bin(sh.hist.count, (key >> shift) & 0xFFu, 1u);
-      }
+    block_digit_histogram(row, n, shift, sh.prefix, sh.hist.count, [&](float z, int64_t id, uint32_t& key) {
+      key = key_of(z, id);
+      return 1u;
     });
-    __syncthreads();
     if (threadIdx.x == 0) {
       uint32_t above = 0;
       int digit = 0;
@@ -468,21 +483,7 @@ __device__ __forceinline__ bool block_select_mass(const T* __restrict__ row, int
                                   SelectShared& sh, uint32_t& out_key) {
   if (threadIdx.x == 0) sh.prefix = 0, sh.remaining_mass = target_mass, sh.found = 1;
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) sh.hist.mass[i] = 0.0;
-    __syncthreads();
-    const uint32_t prefix = sh.prefix;
-    const uint32_t high_mask = shift == 24 ? 0u : (0xFFFFFFFFu << (shift + 8));
-    block_for_each(row, 0, n, [&](int64_t j, const float* v, auto width) {
-      constexpr int N = decltype(width)::value;
-#pragma unroll
-      for (int i = 0; i < N; ++i) {
-        uint32_t key;
-        const float w = weight_of(clamp_logit(v[i]), j + i, key);
-        if (w > 0.0f && (key & high_mask) == (prefix & high_mask))
-          add_to_bin(sh.hist.mass, (key >> shift) & 0xFFu, (double)w);
-      }
-    });
-    __syncthreads();
+    block_digit_histogram(row, n, shift, sh.prefix, sh.hist.mass, weight_of);  // (float weights, summed in double)
     if (threadIdx.x == 0 && sh.found) {
       double above = 0.0;
       int digit = -1, lowest = -1;
@@ -598,6 +599,21 @@ struct ScanShared {
   double base;
 };
 
+// One thread's share of a scan tile: the kScanItems contiguous weights from id `first` (0 past
+// `end`) into w, and their sum in double, added in id order. block_inverse_cdf and
+// block_weight_total both take their per-thread sums from here, so their totals round alike.
+template <typename WeightFn>
+__device__ __forceinline__ double load_tile_weights(int64_t first, int64_t end, WeightFn weight_of,
+                                                    float (&w)[kScanItems]) {
+  double mine = 0.0;
+#pragma unroll
+  for (int i = 0; i < kScanItems; ++i) {
+    w[i] = first + i < end ? weight_of(first + i) : 0.0f;
+    mine += (double)w[i];
+  }
+  return mine;
+}
+
 // Inverse CDF over ids [begin, end) with weights weight_of(id) >= 0, cumulative starting at `base`:
 // the first id whose cumulative weight exceeds `target`. Returns -1 when the range ends first;
 // `last_positive` gets the last id with positive weight in the range (-1 if none). Valid in all
@@ -609,13 +625,10 @@ __device__ __forceinline__ int64_t block_inverse_cdf(int64_t begin, int64_t end,
   for (int64_t tile = begin; tile < end; tile += (int64_t)kThreads * kScanItems) {
     const int64_t first = tile + (int64_t)threadIdx.x * kScanItems;
     float w[kScanItems];
-    double mine = 0.0;
+    const double mine = load_tile_weights(first, end, weight_of, w);
 #pragma unroll
-    for (int i = 0; i < kScanItems; ++i) {
-      w[i] = first + i < end ? weight_of(first + i) : 0.0f;
-      mine += (double)w[i];
+    for (int i = 0; i < kScanItems; ++i)
       if (w[i] > 0.0f) my_last = first + i;
-    }
     double before, aggregate;
     cub::BlockScan<double, kThreads>(sh.scan).ExclusiveSum(mine, before, aggregate);
     int64_t candidate = INT64_MAX;
@@ -647,7 +660,7 @@ __device__ __forceinline__ int64_t block_inverse_cdf(int64_t begin, int64_t end,
 }
 
 // The total of weights weight_of(id) over ids [begin, end), summed exactly as block_inverse_cdf
-// accumulates them (per thread kScanItems contiguous ids in double, tile aggregates in order), so
+// accumulates them (load_tile_weights per thread, then the tile aggregates in order), so
 // that a target of u * this total puts the boundaries at the scan's own cumulative sums. (A total
 // from another pass, e.g. the online statistics, differs by a rounding of ~1e-7 relative, and
 // about V * 1e-7 of the draws would then fall between this kernel's and the CPU kernel's
@@ -657,9 +670,8 @@ __device__ __forceinline__ double block_weight_total(int64_t begin, int64_t end,
   double total = 0.0;
   for (int64_t tile = begin; tile < end; tile += (int64_t)kThreads * kScanItems) {
     const int64_t first = tile + (int64_t)threadIdx.x * kScanItems;
-    double mine = 0.0;
-#pragma unroll
-    for (int i = 0; i < kScanItems; ++i) mine += first + i < end ? (double)weight_of(first + i) : 0.0;
+    float w[kScanItems];
+    const double mine = load_tile_weights(first, end, weight_of, w);
     double before, aggregate;
     cub::BlockScan<double, kThreads>(sh.scan).ExclusiveSum(mine, before, aggregate);
     __syncthreads();  // (the scan's storage is reused by the next tile)
