@@ -14,17 +14,12 @@ namespace fsd {
 namespace cuda {
 namespace {
 
-constexpr int64_t kMinChunk = 4096;  // ids per vocabulary chunk at least (split path)
-constexpr int64_t kMaxSplits = 64;
 // With enough rows, vocabulary chunks of at most this many ids (when the step samples or needs
 // divergences): on the H200 at B=64, K=5, V=128256 bf16, 8 chunks of 16384 took 564 us (fsd/js) and
 // 341 us (sd) against 723 / 543 us for whole rows in one fused launch, and 32 chunks 904 / 663 us
 // (benchmarks/results/gpu-h200-2026-11-30). A whole-row block ends with the row's inverse-CDF scan
 // over up to V ids on one block, and 6 rows of blocks per batch row leave the last wave half empty.
 constexpr int64_t kBatchChunk = 16384;
-constexpr size_t kAlign = 256;
-
-size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 // Dynamic shared memory of one staged block: its chunk of the target row and of the draft row.
 size_t stage_bytes(DType dtype, int64_t chunk) {
@@ -61,17 +56,6 @@ bool cluster_path_requested() { return switch_on("FSD_EXT_CUDA_CLUSTER") && comp
 bool dependent_launch_requested(DType dtype) {
   if (!switch_on("FSD_EXT_CUDA_PDL") || compute_capability_major() < 9) return false;
   return with_logits_type(dtype, false, [](auto t) { return decide_kernel_waits<decltype(t)>(); });
-}
-
-// FSD_EXT_CUDA_SPLITS=n (benchmarks and tests, read on every call): the unstaged, unfiltered paths
-// cut each vocabulary row into n chunks (fewer where chunks would drop below kMinChunk ids), instead
-// of the planner's choice; 0 when unset or not a positive integer.
-int64_t splits_requested() {
-  const char* flag = std::getenv("FSD_EXT_CUDA_SPLITS");
-  if (flag == nullptr) return 0;
-  char* end = nullptr;
-  const long long n = std::strtoll(flag, &end, 10);
-  return end != flag && *end == '\0' && n > 0 ? (int64_t)std::min<long long>(n, kMaxSplits) : 0;
 }
 
 template <bool kStaged>
@@ -172,8 +156,7 @@ cudaError_t launch_accept(const AcceptProblem& problem, void* workspace, size_t 
   if (problem.batch == 0) return cudaSuccess;
   const AcceptPlan plan = plan_accept(problem);
   if (workspace == nullptr || workspace_bytes < plan.total) return cudaErrorInvalidValue;
-  if (const char* log = std::getenv("FSD_EXT_CUDA_LOG"); log != nullptr && log[0] == '1') {
-    // Which path a call takes (tests and benchmarks check it without a profiler).
+  if (launch_log_on()) {
     const char* path = plan.staged      ? "staged"
                        : plan.clustered ? "cluster"
                        : plan.splits > 1 ? "split"

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <utility>
 
 #include "fsd/common.h"
@@ -54,6 +55,32 @@ inline int cached_device_attribute(cudaDeviceAttr attribute, int fallback) {
     cached[device] = value;
   }
   return cached[device];
+}
+
+// The start of a workspace piece: 256-byte aligned, as cudaMalloc's memory.
+inline size_t align_up(size_t n) { return (n + 255) / 256 * 256; }
+
+// Vocabulary chunks of the split paths (accept, sample): at least kMinChunk ids each, at most
+// kMaxSplits per row.
+constexpr int64_t kMinChunk = 4096;
+constexpr int64_t kMaxSplits = 64;
+
+// FSD_EXT_CUDA_SPLITS=n (benchmarks and tests, read on every call): the split paths cut each
+// vocabulary row into n chunks (at most kMaxSplits; the planners also keep chunks of at least
+// kMinChunk ids) instead of the planner's choice; 0 when unset or not a positive integer.
+inline int64_t splits_requested() {
+  const char* flag = std::getenv("FSD_EXT_CUDA_SPLITS");
+  if (flag == nullptr) return 0;
+  char* end = nullptr;
+  const long long n = std::strtoll(flag, &end, 10);
+  return end != flag && *end == '\0' && n > 0 ? (int64_t)std::min<long long>(n, kMaxSplits) : 0;
+}
+
+// Whether FSD_EXT_CUDA_LOG=1: the launchers print the path each call takes (tests and benchmarks
+// check it without a profiler).
+inline bool launch_log_on() {
+  const char* flag = std::getenv("FSD_EXT_CUDA_LOG");
+  return flag != nullptr && flag[0] == '1';
 }
 
 // Streaming multiprocessors of the current device (no synchronisation).
