@@ -128,8 +128,9 @@ def step_options(extra: dict) -> dict:
     return {"rule": extra.get("rule", "fsd"), "divergence": extra.get("divergence", "js"), "top_p": extra.get("top_p")}
 
 
-def launcher_path(call) -> str:
-    """The path the CUDA launcher took for call() (it logs it on stderr with FSD_EXT_CUDA_LOG=1)."""
+def launcher_path(call, op: str = "fsd_ext.accept cuda:") -> str:
+    """The path the CUDA launcher took for call() (it logs it on stderr with FSD_EXT_CUDA_LOG=1,
+    lines starting with `op`)."""
     with tempfile.TemporaryFile() as log:
         saved = os.dup(2)
         os.environ["FSD_EXT_CUDA_LOG"] = "1"
@@ -142,7 +143,7 @@ def launcher_path(call) -> str:
             os.close(saved)
             del os.environ["FSD_EXT_CUDA_LOG"]
         log.seek(0)
-        lines = [line for line in log.read().decode().splitlines() if "fsd_ext.accept cuda:" in line]
+        lines = [line for line in log.read().decode().splitlines() if op in line]
     return lines[-1].split("path=")[1].split()[0] if lines else "?"
 
 

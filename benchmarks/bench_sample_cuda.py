@@ -1,7 +1,9 @@
 """Kernel benchmark of fsd_ext.sample on CUDA (called by benchmarks/gpu_check.sh after accept's).
 
 Per shape it times one sample call (eager, and per replay of a CUDA graph holding it; seed and
-offset are device tensors, as in a decoding loop's graph) and compares with:
+offset are device tensors, as in a decoding loop's graph) on the path the launcher picks (few
+unfiltered rows: the split path, a row's vocabulary cut into chunks on many SMs) and, where that is
+the split path, eagerly on the one-block-per-row path too (FSD_EXT_CUDA_SPLITS=1), and compares with:
   - the bandwidth of a device-to-device copy measured in the same run (GB/s counts the logits
     bytes: the kernel must read them at least once);
   - the same sampler in eager PyTorch (float32 tempered logits, the shape's filter, softmax,
@@ -21,7 +23,7 @@ import os
 
 import torch
 
-from bench_accept_cuda import capture, copy_bandwidth_gbs, cuda_time_us, top_p_filter
+from bench_accept_cuda import capture, copy_bandwidth_gbs, cuda_time_us, launcher_path, top_p_filter
 from fsd_ext import ops
 
 TEMPERATURE = 0.8
@@ -63,7 +65,15 @@ def bench_shape(name, batch, vocab, dtype, filters, copy_gbs):
     def call():
         return ops.sample(logits, TEMPERATURE, seed=seed, offset=offset, **filters)
 
+    path = launcher_path(call, "fsd_ext.sample cuda:")
     eager_us = cuda_time_us(call, iters=20)
+    one_block_us = None
+    if path == "split":
+        os.environ["FSD_EXT_CUDA_SPLITS"] = "1"
+        try:
+            one_block_us = cuda_time_us(call, iters=20)
+        finally:
+            del os.environ["FSD_EXT_CUDA_SPLITS"]
     stream = torch.cuda.Stream()  # warm-up off the default stream before capture
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -76,7 +86,8 @@ def bench_shape(name, batch, vocab, dtype, filters, copy_gbs):
     logits_bytes = logits.numel() * logits.element_size()
     gbs = logits_bytes / (best_us * 1e-6) / 1e9
     return {"shape": name, "batch": batch, "vocab": vocab, "dtype": str(dtype).replace("torch.", ""),
-            "filters": filters, "logits_bytes": logits_bytes, "eager_us": eager_us, "graph_us": graph_us,
+            "filters": filters, "logits_bytes": logits_bytes, "path": path, "eager_us": eager_us,
+            "one_block_eager_us": one_block_us, "graph_us": graph_us,
             "best_us": best_us, "gbs": gbs, "pct_copy_bw": 100.0 * gbs / copy_gbs,
             "torch_eager_us": torch_us, "speedup_vs_eager": torch_us / best_us,
             "torch_multinomial_us": multinomial_us, "speedup_vs_multinomial": multinomial_us / best_us}
@@ -84,10 +95,11 @@ def bench_shape(name, batch, vocab, dtype, filters, copy_gbs):
 
 def summarize(results) -> str:
     """The markdown table of bench_shape results."""
-    lines = ["| shape | eager us | graph us | GB/s (best) | % copy BW | torch eager us | x eager | "
-             "torch.multinomial us | x multinomial |", "|" + "---|" * 9]
+    lines = ["| shape | path | eager us | one block per row, eager us | graph us | GB/s (best) | % copy BW | "
+             "torch eager us | x eager | torch.multinomial us | x multinomial |", "|" + "---|" * 11]
     for r in results:
-        lines.append(f"| {r['shape']} | {r['eager_us']:.1f} | {r['graph_us']:.1f} | {r['gbs']:.0f} | "
+        one_block = "n/a" if r["one_block_eager_us"] is None else f"{r['one_block_eager_us']:.1f}"
+        lines.append(f"| {r['shape']} | {r['path']} | {r['eager_us']:.1f} | {one_block} | {r['graph_us']:.1f} | {r['gbs']:.0f} | "
                      f"{r['pct_copy_bw']:.0f}% | {r['torch_eager_us']:.1f} | {r['speedup_vs_eager']:.1f} | "
                      f"{r['torch_multinomial_us']:.1f} | {r['speedup_vs_multinomial']:.1f} |")
     return "\n".join(lines)

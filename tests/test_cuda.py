@@ -290,6 +290,70 @@ def test_sample_op(fops, dtype, filters):
     assert (got == fops.sample(logits, temperature=0.8, seed=17, offset=2, **filters)).float().mean() >= 0.99
 
 
+def live_id_rows(rows, vocab, live=24, seed=0):
+    """[rows, vocab] float32 logits with each row's mass on `live` random ids (N(0, 1.5^2)), the rest
+    40 below: no id lies within rounding of a sampling boundary, so every kernel draws the same."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) - 40.0
+    ids = torch.randint(0, vocab, (rows, live), generator=g)
+    return logits.scatter(1, ids, 1.5 * torch.randn(rows, live, generator=g))
+
+
+def sample_path(fops, capfd, logits, **kwargs):
+    """(tokens, the path the CUDA launcher took) of one sample call (FSD_EXT_CUDA_LOG=1)."""
+    os.environ["FSD_EXT_CUDA_LOG"] = "1"
+    try:
+        capfd.readouterr()
+        tokens = fops.sample(logits, **kwargs)
+        torch.cuda.synchronize()
+        err = capfd.readouterr().err
+    finally:
+        del os.environ["FSD_EXT_CUDA_LOG"]
+    lines = [line for line in err.splitlines() if "fsd_ext.sample cuda:" in line]
+    assert len(lines) == 1, err
+    return tokens.cpu(), lines[0].split("path=")[1].split()[0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sample_split_path_matches_cpu(fops, capfd, monkeypatch, dtype):
+    """Few rows without a filter take the split path (a row's chunks on many SMs, then the draw);
+    on well-separated rows it gives the CPU kernel's tokens on every row, as the one-block path
+    (forced with FSD_EXT_CUDA_SPLITS=1) does. Temperature 0 rows give the argmax."""
+    logits = live_id_rows(2 * 3, 151936, seed=21).reshape(2, 3, 151936).to(dtype)
+    temperature = torch.tensor([0.8, 0.0])
+    want = fops.sample(logits, temperature=temperature, seed=5, offset=1)
+    got, path = sample_path(fops, capfd, logits.cuda(), temperature=temperature.cuda(), seed=5, offset=1)
+    assert path == "split" and torch.equal(got, want)
+    assert torch.equal(got[1], logits[1].float().argmax(-1))
+    assert not torch.equal(fops.sample(logits.cuda(), temperature=temperature.cuda(), seed=6, offset=1).cpu()[0],
+                           want[0])  # another seed draws other tokens: the comparison can fail
+    monkeypatch.setenv("FSD_EXT_CUDA_SPLITS", "1")
+    got, path = sample_path(fops, capfd, logits.cuda(), temperature=temperature.cuda(), seed=5, offset=1)
+    assert path == "rows" and torch.equal(got, want)
+    monkeypatch.delenv("FSD_EXT_CUDA_SPLITS")
+    _, path = sample_path(fops, capfd, logits.cuda(), temperature=0.8, top_p=0.9, seed=5)
+    assert path == "rows"  # a filter's cutoff needs the whole row in one block
+
+
+def test_sample_split_path_distribution(fops, monkeypatch):
+    """The split path's tokens follow softmax(logits / T) (chi-square over 2e5 rows whose 24 live
+    ids lie in all four chunks), and the same test rejects a distribution with two ids swapped."""
+    monkeypatch.setenv("FSD_EXT_CUDA_SPLITS", "4")
+    rows, vocab, live = 200_000, 16384, 24
+    ids = torch.arange(live) * (vocab // live) + 7  # spread over the four 4096-id chunks
+    values = torch.randn(live, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    row = torch.full((vocab,), -60.0, dtype=torch.float64).index_put_((ids,), values)
+    tokens = fops.sample(row.float().cuda().expand(rows, vocab), temperature=0.9, seed=31).cpu()
+    assert bool(torch.isin(tokens, ids).all())
+    counts = torch.bincount(tokens, minlength=vocab)[ids].double()
+    p = (values / 0.9).softmax(-1)
+    assert chi_square_pvalue(counts, p) > 1e-4
+    swapped = p.clone()
+    most, least = int(p.argmax()), int(p.argmin())
+    swapped[[most, least]] = p[[least, most]]
+    assert chi_square_pvalue(counts, swapped) < 1e-6
+
+
 # ----------------------------------------------------------------------------------------------
 # Filter and div_top_k edge cases: ties, signed zeros, -inf masks, k at the edges, a top_p that
 # rounds to 0. The random-logit tests above almost never produce them.

@@ -146,9 +146,12 @@ def test_sample_benchmark_eager_sampler_is_the_reference_sampler(filters):
     other = {"top_k": 5} if not filters else {}
     assert not torch.equal(bench.torch_sample(logits, uniforms.float(), bench.TEMPERATURE, **other), expected)
     assert not torch.equal(bench.torch_sample(logits, uniforms.float(), 1.0, **filters), expected)
-    row = dict(shape="B1", eager_us=8.0, graph_us=4.0, gbs=76.0, pct_copy_bw=2.0, torch_eager_us=80.0,
-               speedup_vs_eager=20.0, torch_multinomial_us=40.0, speedup_vs_multinomial=10.0)
-    assert bench.summarize([row]).splitlines()[2] == "| B1 | 8.0 | 4.0 | 76 | 2% | 80.0 | 20.0 | 40.0 | 10.0 |"
+    row = dict(shape="B1", path="split", eager_us=8.0, one_block_eager_us=30.0, graph_us=4.0, gbs=76.0,
+               pct_copy_bw=2.0, torch_eager_us=80.0, speedup_vs_eager=20.0, torch_multinomial_us=40.0,
+               speedup_vs_multinomial=10.0)
+    table = bench.summarize([row, dict(row, path="rows", one_block_eager_us=None)]).splitlines()
+    assert table[2] == "| B1 | split | 8.0 | 30.0 | 4.0 | 76 | 2% | 80.0 | 20.0 | 40.0 | 10.0 |"
+    assert table[3].startswith("| B1 | rows | 8.0 | n/a | 4.0 |")
 
 
 SASS_LISTING = """

@@ -26,8 +26,16 @@ cudaError_t launch_accept(const AcceptProblem& problem, void* workspace, size_t 
 // fsd_ext.divergence: one launch, one block per row.
 cudaError_t launch_divergence(const DivergenceProblem& problem, cudaStream_t stream);
 
-// fsd_ext.sample: one launch, one block per (row, position).
-cudaError_t launch_sample(const SampleProblem& problem, cudaStream_t stream);
+// Bytes of device workspace fsd_ext.sample needs for `problem` on the current device: 0 on the
+// one-block-per-row path, a few records per row and vocabulary chunk on the split path (few rows,
+// no filter; rows.cuh).
+size_t sample_workspace_bytes(const SampleProblem& problem);
+
+// fsd_ext.sample: one launch, one block per (row, position); or two on the split path, whose
+// `workspace` must hold sample_workspace_bytes(problem) bytes of device memory (uninitialised is
+// fine; nullptr when that is 0) and stay untouched until the launches finish.
+cudaError_t launch_sample(const SampleProblem& problem, void* workspace, size_t workspace_bytes,
+                          cudaStream_t stream);
 
 // fsd_ext.philox_uniforms: out [rows, positions] float64 on the device.
 cudaError_t launch_philox_uniforms(const RandomKey& key, int64_t rows, int64_t positions, Purpose purpose,

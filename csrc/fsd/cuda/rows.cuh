@@ -1,4 +1,5 @@
-// fsd_ext.divergence, fsd_ext.sample and fsd_ext.philox_uniforms on CUDA: one block per row.
+// fsd_ext.divergence, fsd_ext.sample and fsd_ext.philox_uniforms on CUDA: one block per row, or for
+// sample with few rows and no filter, one block per vocabulary chunk of a row (the split path).
 #pragma once
 
 #include "fsd/cuda/device.cuh"
@@ -91,6 +92,113 @@ __global__ void __launch_bounds__(kThreads, 2) sample_rows_kernel(const SamplePr
   int64_t token = block_inverse_cdf(0, pb.vocab, 0.0, u * total, weight, scan, last_positive);
   if (token < 0) token = last_positive >= 0 ? last_positive : st.argmax;
   if (threadIdx.x == 0) *out = token;
+}
+
+// Split path of fsd_ext.sample (no filter, few rows; the planner is in rows.cu): each (row,
+// position) cut into `splits` vocabulary chunks of `chunk` ids, one block each, in two launches,
+// so that a batch of one reads its row with many SMs instead of one. Rows are flattened as
+// r = b * positions + s, chunks fastest.
+struct SampleWorkspace {
+  RowStat* chunk_stats = nullptr;  // [rows, splits]
+  double* chunk_totals = nullptr;  // [rows, splits]: the chunk's sum of p's weights, as the scan adds them
+  uint32_t* counters = nullptr;    // [rows]: blocks of the row done with launch 2
+  int64_t splits = 1, chunk = 0;
+};
+
+// The (row, position) of split block blockIdx.x: its logits, output slot, chunk, temperature.
+template <typename T>
+struct SampleChunk {
+  int64_t r, b, s, c, begin, end;
+  const T* row;
+  int64_t* out;
+  float tau, inv;
+  __device__ __forceinline__ SampleChunk(const SampleProblem& pb, const SampleWorkspace& ws) {
+    c = blockIdx.x % ws.splits;
+    r = blockIdx.x / ws.splits;
+    b = r / pb.positions;
+    s = r % pb.positions;
+    begin = c * ws.chunk;
+    end = min(pb.vocab, begin + ws.chunk);
+    row = static_cast<const T*>(pb.logits) + b * pb.stride_b + s * pb.stride_s;
+    out = pb.tokens + r;
+    tau = pb.temperature.at(b);
+    inv = tau == 0.0f ? 1.0f : inverse_temperature(tau);
+  }
+};
+
+// Split path, launch 1: the online-softmax statistics of one chunk (and the row's counter reset).
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2) sample_stats_kernel(const SampleProblem pb, const SampleWorkspace ws) {
+  const SampleChunk<T> at(pb, ws);
+  if (at.c == 0 && threadIdx.x == 0) ws.counters[at.r] = 0;
+  if (!temperature_in_range(at.tau)) return;  // launch 2 writes -1
+  __shared__ typename StatReduce<T>::TempStorage temp;
+  __shared__ RowStat stat_out;
+  const RowStat st = block_row_stat(at.row, at.begin, at.end, at.inv, at.inv, temp, stat_out);
+  if (threadIdx.x == 0) ws.chunk_stats[at.r * ws.splits + at.c] = st;
+}
+
+// Split path, launch 2: every block combines its row's chunk statistics and sums its chunk's
+// weights exactly as the scan adds them (block_weight_total); the row's last block to finish
+// (atomic counter) chooses the chunk holding u times the sum of those totals, then scans it. So
+// the draw is measured in the very weights the scans add up, as on the one-block path.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, 2) sample_draw_kernel(const SampleProblem pb, const SampleWorkspace ws) {
+  const SampleChunk<T> at(pb, ws);
+  if (!temperature_in_range(at.tau)) {  // block-uniform
+    if (at.c == 0 && threadIdx.x == 0) *at.out = -1;
+    return;
+  }
+  __shared__ FullStat full;
+  __shared__ ScanShared scan;
+  __shared__ ChunkChoice choice;
+  __shared__ double within;  // u * total - the chosen chunk's base
+  __shared__ bool last_block;
+  if (threadIdx.x < 32) {
+    FullStat st, unused;
+    warp_combine_position(ws.chunk_stats + at.r * ws.splits, ws.splits, false, at.inv, at.inv, st, unused);
+    if (threadIdx.x == 0) full = st;
+  }
+  __syncthreads();
+  const FullStat st = full;
+  if (!stat_good(st.flags) || at.tau == 0.0f) {  // block-uniform: argmax, or -1 for a bad row
+    if (at.c == 0 && threadIdx.x == 0) *at.out = stat_good(st.flags) ? (int64_t)st.argmax : -1;
+    return;
+  }
+  const Dist p = softmax_dist(st.max, at.inv, -kInf, st.sum_s);
+  auto weight = [&](int64_t j) { return p.weight(load_logit(at.row + j)); };
+  const double own = block_weight_total(at.begin, at.end, weight, scan);
+  const double* totals = ws.chunk_totals + at.r * ws.splits;
+  if (threadIdx.x == 0) {
+    ws.chunk_totals[at.r * ws.splits + at.c] = own;
+    __threadfence();
+    last_block = atomicAdd(ws.counters + at.r, 1u) == (uint32_t)(ws.splits - 1);
+  }
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();
+  if (threadIdx.x < 32) {
+    auto total_of = [&](int64_t c) { return __ldcg(totals + c); };
+    const double target = draw_uniform(pb.key, at.b, at.s, Purpose::Draft) * warp_sum_chunks(ws.splits, total_of);
+    const ChunkChoice found = warp_choose_chunk(ws.splits, target, total_of);
+    if (threadIdx.x == 0) choice = found, within = target - found.base;
+  }
+  __syncthreads();
+  const ChunkChoice chosen = choice;
+  int64_t last_positive = -1, token = -1;
+  if (chosen.chunk >= 0) {
+    // The chunk's total came from the same sums as this scan's (block_weight_total), so the
+    // target's remainder inside the chunk is below the scan's own cumulative total there.
+    const int64_t begin = chosen.chunk * ws.chunk, end = min(pb.vocab, begin + ws.chunk);
+    token = block_inverse_cdf(begin, end, 0.0, within, weight, scan, last_positive);
+    if (token < 0) token = last_positive;
+  }
+  if (token < 0) {  // u * total rounded past the end: the last positive-weight id
+    const int64_t begin = chosen.last_chunk * ws.chunk, end = min(pb.vocab, begin + ws.chunk);
+    block_inverse_cdf(begin, end, 0.0, (double)kInf, weight, scan, last_positive);
+    token = last_positive >= 0 ? last_positive : st.argmax;
+  }
+  if (threadIdx.x == 0) *at.out = token;
 }
 
 __global__ void philox_uniforms_kernel(const RandomKey key, int64_t rows, int64_t positions, Purpose purpose,
