@@ -299,19 +299,26 @@ def live_id_rows(rows, vocab, live=24, seed=0):
     return logits.scatter(1, ids, 1.5 * torch.randn(rows, live, generator=g))
 
 
-def sample_path(fops, capfd, logits, **kwargs):
-    """(tokens, the path the CUDA launcher took) of one sample call (FSD_EXT_CUDA_LOG=1)."""
+def logged_call(capfd, op: str, call):
+    """(call()'s result, the one line the CUDA launcher of fsd_ext.<op> logs for it with
+    FSD_EXT_CUDA_LOG=1: the path it took, its chunks)."""
     os.environ["FSD_EXT_CUDA_LOG"] = "1"
     try:
         capfd.readouterr()
-        tokens = fops.sample(logits, **kwargs)
+        result = call()
         torch.cuda.synchronize()
         err = capfd.readouterr().err
     finally:
         del os.environ["FSD_EXT_CUDA_LOG"]
-    lines = [line for line in err.splitlines() if "fsd_ext.sample cuda:" in line]
+    lines = [line for line in err.splitlines() if f"fsd_ext.{op} cuda:" in line]
     assert len(lines) == 1, err
-    return tokens.cpu(), lines[0].split("path=")[1].split()[0]
+    return result, lines[0]
+
+
+def sample_path(fops, capfd, logits, **kwargs):
+    """(tokens, the path the CUDA launcher took) of one sample call."""
+    tokens, line = logged_call(capfd, "sample", lambda: fops.sample(logits, **kwargs))
+    return tokens.cpu(), line.split("path=")[1].split()[0]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -587,17 +594,7 @@ def staged(monkeypatch):
 
 def launch_log(fops, capfd, *args, **kwargs):
     """The CUDA launcher's log line (FSD_EXT_CUDA_LOG=1) of one accept call."""
-    os.environ["FSD_EXT_CUDA_LOG"] = "1"
-    try:
-        capfd.readouterr()
-        fops.accept(*args, **kwargs)
-        torch.cuda.synchronize()
-        err = capfd.readouterr().err
-    finally:
-        del os.environ["FSD_EXT_CUDA_LOG"]
-    lines = [line for line in err.splitlines() if "fsd_ext.accept cuda:" in line]
-    assert len(lines) == 1, err
-    return lines[0]
+    return logged_call(capfd, "accept", lambda: fops.accept(*args, **kwargs))[1]
 
 
 def accept_path(fops, capfd, *args, **kwargs):
