@@ -74,8 +74,9 @@ Tensor sample_cuda(const Tensor& logits, const OptTensor& temperature_t, double 
                                                          offset, out);
   TORCH_CHECK(problem.batch <= 65535, "sample: batch must be <= 65535 on CUDA, got ", problem.batch);
   TORCH_CHECK(problem.positions < (int64_t(1) << 31), "sample: too many positions");
-  const size_t bytes = fsd::cuda::sample_workspace_bytes(problem);
-  const Tensor workspace = at::empty({(int64_t)bytes}, logits.options().dtype(at::kByte));
+  const size_t bytes = fsd::cuda::sample_workspace_bytes(problem);  // 0 on the one-block path
+  Tensor workspace;
+  if (bytes > 0) workspace = at::empty({(int64_t)bytes}, logits.options().dtype(at::kByte));
   check_launch(fsd::cuda::launch_sample(problem, bytes ? workspace.data_ptr() : nullptr, bytes,
                                         c10::cuda::getCurrentCUDAStream().stream()),
                "sample");
