@@ -107,7 +107,6 @@ __device__ __forceinline__ RowTemps row_temps(const AcceptProblem& pb, int64_t b
   return t;
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // Kernel 1.
 
@@ -233,8 +232,7 @@ struct FinalShared {
   int64_t at;
   int64_t chunk;       // the chunk the sample lies in (-1: rounding ran past the end)
   int64_t last_chunk;  // the last chunk with positive weight
-  double base, target;
-  double chunk_mass;    // the chosen chunk's total in step 4's sums
+  double share;        // where u * total falls inside `chunk`, as a share of its total in step 4's sums
   int32_t mode;         // after the acceptance scan: done, or what to sample
   int32_t sample_mode;  // after step 4: mode, or p when the residual has no mass (a separate
                         // field: other warps may still be reading mode while warp 0 decides)
@@ -366,9 +364,7 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
       sh.sample_mode = mode;
       sh.chunk = choice.chunk;
       sh.last_chunk = choice.last_chunk;
-      sh.base = choice.base;
-      sh.target = target;
-      sh.chunk_mass = choice.mass;
+      sh.share = choice.mass > 0.0 ? (target - choice.base) / choice.mass : 0.0;
     }
   }
   __syncthreads();
@@ -389,12 +385,11 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
   const int64_t chosen = sh.chunk, last_chunk = sh.last_chunk;
   int64_t last_positive = -1, token = -1;
   if (chosen >= 0) {
-    // Where u * total falls inside the chunk, as a share of the chunk's mass in step 4's sums,
-    // measured in the weights the scan adds up (their own total: see block_weight_total).
+    // The same share of the chunk's mass, measured in the weights the scan adds up (their own
+    // total: see block_weight_total).
     const int64_t begin = chosen * ws.chunk, end = min(pb.target_vocab, begin + ws.chunk);
     const double own = block_weight_total(begin, end, weight, sh.scan);
-    const double share = sh.chunk_mass > 0.0 ? (sh.target - sh.base) / sh.chunk_mass : 0.0;
-    token = block_inverse_cdf(begin, end, 0.0, share * own, weight, sh.scan, last_positive);
+    token = block_inverse_cdf(begin, end, 0.0, sh.share * own, weight, sh.scan, last_positive);
     if (token < 0) token = last_positive;
   }
   if (token < 0) {  // u * total rounded past the end: the last positive-weight id

@@ -596,7 +596,6 @@ struct ScanShared {
   typename cub::BlockScan<double, kThreads>::TempStorage scan;
   typename cub::BlockReduce<int64_t, kThreads>::TempStorage reduce;
   int64_t found;
-  double base;
 };
 
 // One thread's share of a scan tile: the kScanItems contiguous weights from id `first` (0 past
