@@ -43,6 +43,9 @@ SHAPES = [
     # the argmax, so against fsd / sd above it shows what the second pass and the sampling cost.
     ("B64 K5 V128256 bf16 greedy [diagnostic]", 64, 5, 128256, torch.bfloat16, {"rule": "greedy"}),
     ("B1 K5 V151936 bf16 greedy [diagnostic]", 1, 5, 151936, torch.bfloat16, {"rule": "greedy"}),
+    # fsd_strict draws its corrections from p, so on a split row its pass 2 also sums p's weights
+    # per chunk (a second read of the target chunk, see accept.cuh); against fsd/js above.
+    ("B64 K5 V128256 bf16 fsd_strict/js [diagnostic]", 64, 5, 128256, torch.bfloat16, {"rule": "fsd_strict"}),
 ]
 
 

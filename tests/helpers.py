@@ -65,6 +65,18 @@ def agreement_up_to_ties(result, target, draft, tokens, *, seed, offset=0, nudge
     return same.float().mean().item()
 
 
+def float_weight_draws(logits, seed, offset=0) -> torch.Tensor:
+    """[B] the bonus draws of K = 0 accept calls on `logits` [B, V] at temperature 1: the inverse
+    CDF of the float32 weights exp(z - max) that the kernels compute, summed exactly (float64, on
+    the logits' device), at the rows' sampling uniforms. A kernel whose chunk totals and scan add
+    those weights in double lands there; an error of 1e-7 relative in its sums moves about
+    V * 1e-7 of the draws when every id has weight."""
+    u = reference.philox_uniforms(seed, offset, logits.shape[0], 1, 2)[:, 0].to(logits.device)
+    cdf = (logits.float() - logits.float().amax(-1, keepdim=True)).exp().double().cumsum(-1)
+    at = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    return at.clamp(max=logits.shape[-1] - 1).cpu()
+
+
 FILTER_ROW_SHAPES = ("flat", "peaked", "ties", "masked", "bf16", "three_finite", "signed_zeros")
 
 

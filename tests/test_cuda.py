@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from fsd_ext import reference
-from helpers import FILTER_ROW_SHAPES, agreement_up_to_ties, filter_rows, rows_agree
+from helpers import FILTER_ROW_SHAPES, agreement_up_to_ties, filter_rows, float_weight_draws, rows_agree
 
 pytestmark = [
     pytest.mark.cuda,
@@ -156,6 +156,26 @@ def test_accept_big_vocab_split_path(fops, vocab):
         ref = reference.accept(target, draft, tokens, **kw)
         assert agreement_up_to_ties(cuda, target, draft, tokens, **kw) == 1.0, rule
         torch.testing.assert_close(cuda.divergence, ref.divergence, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.parametrize("rule", ["sd", "fsd_strict"])
+def test_accept_bonus_draws_at_a_large_vocabulary_follow_the_float_weights(fops, capfd, rule):
+    """K = 0 rows (only the bonus token, from p) of 151936 N(0, 1) logits on the split path
+    (gpu_check.sh reruns it staged): every id has weight, so a draw moves when the kernel's sums
+    are off by 1/V of a weight anywhere. The chunk totals and the scan add the float weights in
+    double, so the draws are those of the exact sum of the float32 weights
+    (helpers.float_weight_draws; the kernel and torch.exp both use CUDA's expf), up to 2 rows for
+    rounding. Chunk totals from the statistics pass's online sums moved ~0.5% (~10 rows). (The CPU
+    kernel's float lanes put it off this draw in about 1 row in 1000: test_accept.py.)"""
+    rows, vocab, seed = 2000, 151936, 12
+    target = torch.randn(rows, 1, vocab, generator=torch.Generator().manual_seed(41))
+    draft, tokens = torch.zeros(rows, 0, vocab), torch.zeros(rows, 0, dtype=torch.int64)
+    kw = dict(rule=rule, divergence="js", threshold=0.1, temperature=1.0, seed=seed, offset=2)
+    assert accept_path(fops, capfd, target.cuda(), draft.cuda(), tokens.cuda(), **kw) in ("split", "staged")
+    cuda = run_accept(fops, "cuda", target, draft, tokens, **kw)
+    want = float_weight_draws(target[:, 0].cuda(), seed, offset=2)
+    assert int((cuda.tokens[:, 0] != want).sum()) <= 2
+    assert int((cuda.tokens[:, 0] != float_weight_draws(target[:, 0].cuda(), seed + 1, offset=2)).sum()) > rows * 0.99
 
 
 @pytest.mark.parametrize("rule", RULES)

@@ -11,7 +11,9 @@
 //   decision, per (row, position, chunk): the full-row distributions from the chunk statistics,
 //       then one pass over the chunk for the divergence terms and the residual mass (skipped
 //       where the coin already accepts the draft under sd or fsd and the caller does not read the
-//       divergences: rules.h, coin_acceptance_settles). The last block
+//       divergences: rules.h, coin_acceptance_settles); where the position's token would be drawn
+//       from p (the bonus position, FSD-strict's corrections), the chunk's sum of p's weights in
+//       the draw's own rounding (so the draw matches the CPU kernel's). The last block
 //       of a row to finish (atomic counter) sums the chunk results, runs the acceptance scan
 //       (rules.h) and draws the one correction / bonus token by inverse CDF: chunk totals first,
 //       then a block scan inside the chosen chunk.
@@ -219,6 +221,12 @@ __device__ __forceinline__ bool position_accepts(const AcceptProblem& pb, int64_
   return accept_draft(pb.rule, divergence, pb.threshold.at(b), coin, p_token, q_token, drafted.token == argmax_t);
 }
 
+// Whether the token drawn at position i (when the acceptance scan stops there) comes from p itself:
+// the bonus position, and FSD-strict's corrections (rules.h); greedy rows take p's argmax.
+__device__ __forceinline__ bool draws_from_p(Rule rule, int64_t i, int64_t nd, bool greedy) {
+  return !greedy && (i < nd ? correction_emit(rule) : bonus_emit(rule)) == Emit::TargetSample;
+}
+
 // The pass-2 record of a chunk whose position skipped pass 2: D_i reads NaN.
 __device__ __forceinline__ PassTwo skipped_pass_two() {
   const double nan = __longlong_as_double(0x7FF8000000000000LL);
@@ -340,18 +348,24 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
   const PositionInfo info = load_coherent(infos + at);
 
   // 4. Chunk totals of the weights (warp 0): residual max(0, p - q), or exp(s) for p; the chunk
-  //    holding u * total.
+  //    holding u * total. Pass 2 summed them per chunk (draw_mass), p's weights exactly as step
+  //    5's scan adds them: the draw then lands where the CPU kernel's does, whose total is the
+  //    same double sum of the same float weights. (The statistics pass's online sums, rescaled
+  //    per chunk, differ from it by ~1e-7 relative, which moved about V * 1e-8 of the draws.)
   if (threadIdx.x < 32) {
     const PassTwo* parts = row_pass_two + at * splits;
     int32_t mode = sh.mode;
+    const bool p_summed = mode == kModeTarget;  // draws_from_p: pass 2 summed p's weights
     if (mode == kModeResidual) {
-      const double mass = warp_sum_chunks(splits, [&](int64_t c) { return __ldcg(&parts[c].residual); });
+      const double mass = warp_sum_chunks(splits, [&](int64_t c) { return __ldcg(&parts[c].draw_mass); });
       if (!(mass > kResidualMassEps)) mode = kModeTarget;  // p == q up to rounding: sample p
     }
     const RowStat* chunks = ws.chunk_stats + ((b * positions + at) * 2) * splits;
     auto chunk_total = [&](int64_t c) -> double {
-      if (mode == kModeResidual) return __ldcg(&parts[c].residual);
-      if (splits == 1) return info.p.sum;
+      if (mode == kModeResidual) return __ldcg(&parts[c].draw_mass);
+      if (splits == 1) return info.p.sum;  // one chunk: its total only scales u (the scan measures own sums)
+      if (p_summed) return __ldcg(&parts[c].draw_mass);
+      // p where the residual has no mass (rare): the statistics pass's sums.
       const RowStat s = load_coherent(chunks + c);
       if (s.max == -kInf) return 0.0;
       return (double)s.sum_s * (s.max == info.p.max ? 1.0 : (double)expf((s.max - info.p.max) * info.p.inv));
@@ -465,18 +479,32 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
     __syncthreads();
     FSD_TRACE(pb, kTraceDists);
     const bool need_residual = (pb.rule == Rule::SD || pb.rule == Rule::FSD) && !temps.greedy;
-    if (i < nd && sh.good && !sh.accepted_early && (pb.need_divergence || need_residual)) {
+    const bool used = sh.good && !sh.accepted_early;
+    const bool run_pass_two = used && i < nd && (pb.need_divergence || need_residual);
+    // Where the draw at i would come from p and the vocabulary is split, the chunk's total of p's
+    // weights for finish_row's chunk choice (its step 4 says why). The bonus position's blocks have
+    // no other pass 2; on a batch too large to keep the rows in L2 this reads 1 more of 2K + 1 rows.
+    const bool sum_p = used && splits > 1 && draws_from_p(pb.rule, i, nd, temps.greedy);
+    if (run_pass_two || sum_p) {
       const int64_t begin = c * ws.chunk, end = min(pb.target_vocab, begin + ws.chunk);
-      PassTwo acc;
       const Dist p = sh.dists[0], q = sh.dists[1], pd = sh.dists[2], qd = sh.dists[3];
-      const TopBuckets tb = sh.top;
-      with_divergence(pb.divergence, [&](auto tag) {
-        pass_two<decltype(tag)::value, kShared>(target, draft, begin, end, pb.draft_vocab, pd, qd, p, q,
-                                                pb.need_divergence, need_residual, tb, reverse, acc);
-      });
-      const PassTwo sums = cub::BlockReduce<PassTwo, kThreads>(sh.temp.reduce).Reduce(acc, PassTwoSum());
+      PassTwo sums;
+      if (run_pass_two) {
+        PassTwo acc;
+        const TopBuckets tb = sh.top;
+        with_divergence(pb.divergence, [&](auto tag) {
+          pass_two<decltype(tag)::value, kShared>(target, draft, begin, end, pb.draft_vocab, pd, qd, p, q,
+                                                  pb.need_divergence, need_residual, tb, reverse, acc);
+        });
+        sums = cub::BlockReduce<PassTwo, kThreads>(sh.temp.reduce).Reduce(acc, PassTwoSum());
+        FSD_TRACE(pb, kTracePassTwo);
+      }
+      if (sum_p) {  // (need_residual is false here: draw_mass was free)
+        if (run_pass_two) __syncthreads();  // the scan's storage overlays the reduction's
+        sums.draw_mass = block_weight_total(begin, end, [&](int64_t j) { return p.weight(load_logit(target + j)); },
+                                            sh.temp.final_shared.scan);
+      }
       if (threadIdx.x == 0) ws.pass_two[(b * positions + i) * splits + c] = sums;
-      FSD_TRACE(pb, kTracePassTwo);
     }
   }
   // The last block of row b to get here finishes the row.

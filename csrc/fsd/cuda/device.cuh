@@ -729,7 +729,11 @@ struct PassTwo {
   double div = 0.0;     // sum of divergence terms (of the top ids when bucketed)
   double rest_p = 0.0;  // bucketed: mass of p and q outside the top k
   double rest_q = 0.0;
-  double residual = 0.0;  // sum of max(0, p - q) at the sampling temperature
+  // The weights the position's correction / bonus draw adds up: max(0, p - q) at the sampling
+  // temperature where the correction samples the residual; where the token comes from p itself
+  // (the bonus position, FSD-strict's corrections) and the vocabulary is split, p's weights exp(s),
+  // summed as the draw's scan adds them (accept.cuh, decide_position).
+  double draw_mass = 0.0;
 };
 
 struct DeviceLog {
@@ -754,12 +758,12 @@ __device__ __forceinline__ void pass_two_plain(const T* __restrict__ target, con
 #pragma unroll
     for (int i = 0; i < decltype(width)::value; ++i) plain_add<D, kDiv, kResidual>(pair, a[i], b[i], div, residual);
     if (++count == 32) {
-      acc.div += div * plain_term_unit<D>(), acc.residual += residual;
+      acc.div += div * plain_term_unit<D>(), acc.draw_mass += residual;
       div = residual = 0.0f;
       count = 0;
     }
   });
-  acc.div += div * plain_term_unit<D>(), acc.residual += residual;
+  acc.div += div * plain_term_unit<D>(), acc.draw_mass += residual;
 }
 
 // Accumulates pass 2 over [begin, end) of one position into a thread's PassTwo.
@@ -818,12 +822,12 @@ __device__ __forceinline__ void pass_two(const T* __restrict__ target, const T* 
       }
     }
     if (++count == 32) {
-      acc.div += div, acc.rest_p += rest_p, acc.rest_q += rest_q, acc.residual += residual;
+      acc.div += div, acc.rest_p += rest_p, acc.rest_q += rest_q, acc.draw_mass += residual;
       div = rest_p = rest_q = residual = 0.0f;
       count = 0;
     }
   });
-  acc.div += div, acc.rest_p += rest_p, acc.rest_q += rest_q, acc.residual += residual;
+  acc.div += div, acc.rest_p += rest_p, acc.rest_q += rest_q, acc.draw_mass += residual;
 }
 
 struct PassTwoSum {
@@ -832,7 +836,7 @@ struct PassTwoSum {
     out.div = a.div + b.div;
     out.rest_p = a.rest_p + b.rest_p;
     out.rest_q = a.rest_q + b.rest_q;
-    out.residual = a.residual + b.residual;
+    out.draw_mass = a.draw_mass + b.draw_mass;
     return out;
   }
 };
