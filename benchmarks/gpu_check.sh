@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU check of the CUDA kernels on one H200 with no internet: about 4 minutes with a prebuilt
-# extension on 2026-11-30, before the opt-in paths' tests and the step timer were added (estimate
-# now: 5-6 minutes); every step's limit is its own cap or what is left of GPU_CHECK_DEADLINE, 570 s
+# extension on 2026-11-30, before the opt-in paths' tests, the step timer and the sampling
+# benchmark were added (estimate now: 6-7 minutes with GPU_CHECK_SKIP="decode ncu sanitizer",
+# including the extension build); every step's limit is its own cap or what is left of GPU_CHECK_DEADLINE, 570 s
 # by default, so the whole stays under the device's 10-minute command limit:
 #   1. builds the extension in place (CUDA on, sm_90 only unless TORCH_CUDA_ARCH_LIST is set: the
 #      H200 image sets 9.0a) unless a prebuilt one is carried (below), and calls accept once on the

@@ -240,7 +240,9 @@ struct FinalShared {
   int64_t at;
   int64_t chunk;       // the chunk the sample lies in (-1: rounding ran past the end)
   int64_t last_chunk;  // the last chunk with positive weight
-  double share;        // where u * total falls inside `chunk`, as a share of its total in step 4's sums
+  double within;       // where u * total falls inside `chunk`: the amount of the scan's own sums below
+                       // it (own_sums), else its share of the chunk's total in step 4's sums
+  bool own_sums;       // step 4's chunk totals are the scan's own sums (pass 2's block_weight_total)
   int32_t mode;         // after the acceptance scan: done, or what to sample
   int32_t sample_mode;  // after step 4: mode, or p when the residual has no mass (a separate
                         // field: other warps may still be reading mode while warp 0 decides)
@@ -349,9 +351,10 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
 
   // 4. Chunk totals of the weights (warp 0): residual max(0, p - q), or exp(s) for p; the chunk
   //    holding u * total. Pass 2 summed them per chunk (draw_mass), p's weights exactly as step
-  //    5's scan adds them: the draw then lands where the CPU kernel's does, whose total is the
-  //    same double sum of the same float weights. (The statistics pass's online sums, rescaled
-  //    per chunk, differ from it by ~1e-7 relative, which moved about V * 1e-8 of the draws.)
+  //    5's scan adds them, so the draw lands where an exact sum of the same float weights puts it
+  //    (so does the CPU kernel's but for about 1 draw in 1000, its float lanes) and step 5 needs
+  //    no second pass for the chunk's own total. (The statistics pass's online sums, rescaled per
+  //    chunk, are ~1e-7 relative off those weights: that moved about V * 1e-8 of the draws.)
   if (threadIdx.x < 32) {
     const PassTwo* parts = row_pass_two + at * splits;
     int32_t mode = sh.mode;
@@ -378,7 +381,8 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
       sh.sample_mode = mode;
       sh.chunk = choice.chunk;
       sh.last_chunk = choice.last_chunk;
-      sh.share = choice.mass > 0.0 ? (target - choice.base) / choice.mass : 0.0;
+      sh.own_sums = p_summed && splits > 1;
+      sh.within = sh.own_sums ? target - choice.base : choice.mass > 0.0 ? (target - choice.base) / choice.mass : 0.0;
     }
   }
   __syncthreads();
@@ -399,11 +403,11 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
   const int64_t chosen = sh.chunk, last_chunk = sh.last_chunk;
   int64_t last_positive = -1, token = -1;
   if (chosen >= 0) {
-    // The same share of the chunk's mass, measured in the weights the scan adds up (their own
-    // total: see block_weight_total).
+    // Totals from other sums (the residual's, or p's from the statistics): the same share of the
+    // chunk's mass, measured in the weights the scan adds up (their own total, block_weight_total).
     const int64_t begin = chosen * ws.chunk, end = min(pb.target_vocab, begin + ws.chunk);
-    const double own = block_weight_total(begin, end, weight, sh.scan);
-    token = block_inverse_cdf(begin, end, 0.0, sh.share * own, weight, sh.scan, last_positive);
+    const double within = sh.own_sums ? sh.within : sh.within * block_weight_total(begin, end, weight, sh.scan);
+    token = block_inverse_cdf(begin, end, 0.0, within, weight, sh.scan, last_positive);
     if (token < 0) token = last_positive;
   }
   if (token < 0) {  // u * total rounded past the end: the last positive-weight id
