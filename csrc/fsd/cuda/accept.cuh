@@ -12,11 +12,11 @@
 //       then one pass over the chunk for the divergence terms and the residual mass (skipped
 //       where the coin already accepts the draft under sd or fsd and the caller does not read the
 //       divergences: rules.h, coin_acceptance_settles); where the position's token would be drawn
-//       from p (the bonus position, FSD-strict's corrections), the chunk's sum of p's weights in
-//       the draw's own rounding (so the draw matches the CPU kernel's). The last block
-//       of a row to finish (atomic counter) sums the chunk results, runs the acceptance scan
-//       (rules.h) and draws the one correction / bonus token by inverse CDF: chunk totals first,
-//       then a block scan inside the chosen chunk.
+//       from p (the bonus position, FSD-strict's corrections), the chunk's sum of p's weights as
+//       the draw's scan adds them (so the draw is that of its float weights summed exactly). The
+//       last block of a row to finish (atomic counter) sums the chunk results, runs the acceptance
+//       scan (rules.h) and draws the one correction / bonus token by inverse CDF: chunk totals
+//       first, then a block scan inside the chosen chunk.
 //
 // splits == 1 (filters, a one-chunk vocabulary, greedy without divergences): one launch,
 // accept_stats_kernel<..., kFused=true> does both phases per block, pass 2 backwards right after
