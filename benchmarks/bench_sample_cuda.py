@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 
 import torch
@@ -34,10 +35,11 @@ SHAPES = [
     ("B64 V128256 bf16 top_p=0.9", 64, 128256, torch.bfloat16, {"top_p": 0.9}),
     ("B1 V151936 bf16", 1, 151936, torch.bfloat16, {}),
     ("B1 V151936 bf16 top_p=0.9", 1, 151936, torch.bfloat16, {"top_p": 0.9}),
+    ("B1 V151936 bf16 min_p=0.05", 1, 151936, torch.bfloat16, {"min_p": 0.05}),  # split path too
 ]
 
 
-def torch_sample(logits, uniforms, temperature: float, top_k=None, top_p=None):
+def torch_sample(logits, uniforms, temperature: float, top_k=None, top_p=None, min_p=None):
     """[B] tokens: fsd_ext.sample's draw in plain PyTorch for [B, V] logits and [B] uniforms."""
     z = logits.float()
     z = (z - z.amax(-1, keepdim=True)) / temperature
@@ -45,6 +47,8 @@ def torch_sample(logits, uniforms, temperature: float, top_k=None, top_p=None):
         z = z.masked_fill(z < z.topk(top_k, dim=-1).values[..., -1:], float("-inf"))
     if top_p is not None:
         z = top_p_filter(z, top_p)
+    if min_p is not None:  # p >= min_p * p_max, i.e. z >= log(min_p) (z's maximum is 0)
+        z = z.masked_fill(z < math.log(min_p), float("-inf"))
     cdf = z.softmax(-1).cumsum(-1)
     pick = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True)[:, 0]
     return pick.clamp(max=z.shape[-1] - 1)  # u * total rounded past the end (flat rows: the last id)

@@ -343,9 +343,9 @@ def sample_path(fops, capfd, logits, **kwargs):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sample_split_path_matches_cpu(fops, capfd, monkeypatch, dtype):
-    """Few rows without a filter take the split path (a row's chunks on many SMs, then the draw);
-    on well-separated rows it gives the CPU kernel's tokens on every row, as the one-block path
-    (forced with FSD_EXT_CUDA_SPLITS=1) does. Temperature 0 rows give the argmax."""
+    """Few rows without a filter (or with min-p alone) take the split path (a row's chunks on many
+    SMs, then the draw); on well-separated rows it gives the CPU kernel's tokens on every row, as
+    the one-block path (forced with FSD_EXT_CUDA_SPLITS=1) does. Temperature 0 rows give the argmax."""
     logits = live_id_rows(2 * 3, 151936, seed=21).reshape(2, 3, 151936).to(dtype)
     temperature = torch.tensor([0.8, 0.0])
     want = fops.sample(logits, temperature=temperature, seed=5, offset=1)
@@ -359,7 +359,13 @@ def test_sample_split_path_matches_cpu(fops, capfd, monkeypatch, dtype):
     assert path == "rows" and torch.equal(got, want)
     monkeypatch.delenv("FSD_EXT_CUDA_SPLITS")
     _, path = sample_path(fops, capfd, logits.cuda(), temperature=0.8, top_p=0.9, seed=5)
-    assert path == "rows"  # a filter's cutoff needs the whole row in one block
+    assert path == "rows"  # a top-p (or top-k) cutoff needs the whole row in one block
+    # min-p needs only the row's maximum: the split path, and the CPU kernel's tokens (which the
+    # filter changes here, so a kernel ignoring it would fail)
+    want_min_p = fops.sample(logits, temperature=temperature, min_p=0.3, seed=5, offset=1)
+    assert not torch.equal(want_min_p, want)
+    got, path = sample_path(fops, capfd, logits.cuda(), temperature=temperature.cuda(), min_p=0.3, seed=5, offset=1)
+    assert path == "split" and torch.equal(got, want_min_p)
 
 
 def test_sample_split_path_distribution(fops, monkeypatch):

@@ -128,7 +128,8 @@ def test_gpu_benchmark_eager_step_is_the_reference_step(extra):
     assert not (torch.equal(n_wrong, ref.num_accepted) and torch.equal(pick_wrong, pick))
 
 
-@pytest.mark.parametrize("filters", [{}, {"top_k": 50}, {"top_p": 0.9}], ids=["plain", "top_k", "top_p"])
+@pytest.mark.parametrize("filters", [{}, {"top_k": 50}, {"top_p": 0.9}, {"min_p": 0.05}],
+                         ids=["plain", "top_k", "top_p", "min_p"])
 def test_sample_benchmark_eager_sampler_is_the_reference_sampler(filters):
     """benchmarks/bench_sample_cuda.py's eager baseline draws fsd_ext.reference.sample's tokens from
     the same uniforms (float32 against float64: no row of these sits on a rounding edge)."""

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cfloat>
+#include <cmath>
 #include <cstdint>
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
@@ -66,6 +67,13 @@ struct SamplingFilter {
   float top_p = 1.0f;   // 1 = off; keep the smallest most-probable set with mass >= top_p
   float min_p = 0.0f;   // 0 = off; keep tokens with prob >= min_p * max prob
   FSD_INLINE bool active() const { return top_k > 0 || top_p < 1.0f || min_p > 0.0f; }
+  // Whether the cutoff ranks a row's ids (top-k below the vocabulary size, top-p). min-p alone
+  // keeps a fixed share of the largest probability: known as soon as the row's maximum is, so a
+  // kernel that splits the row over blocks can apply it (CUDA sample's split path).
+  FSD_INLINE bool ranks(int64_t vocab) const { return (top_k > 0 && top_k < vocab) || top_p < 1.0f; }
+  // min-p's cutoff in s-space (s = (z - max) / T, so s >= log(min_p) keeps p >= min_p p_max);
+  // -inf when off. The one place both kernels take it from, so they cut at the same float.
+  FSD_INLINE float min_p_cut() const { return min_p > 0.0f ? (float)::log((double)min_p) : -HUGE_VALF; }
 };
 
 // A per-row scalar argument: a device/host array of B values, or one value for every row.

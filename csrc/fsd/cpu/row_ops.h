@@ -482,7 +482,7 @@ float filter_cutoff(const T* row, int64_t n, const Dist& d, const SamplingFilter
     const bool few_kept = top_k_cuts && filter.top_k < kFewValues;
     cut = std::max(cut, walk_cutoff<Walk::Mass>(row, n, d, cut, (double)filter.top_p, few_kept, scratch));
   }
-  if (filter.min_p > 0.0f) cut = std::max(cut, (float)std::log((double)filter.min_p));
+  cut = std::max(cut, filter.min_p_cut());
   return cut;
 }
 

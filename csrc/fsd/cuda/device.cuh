@@ -550,7 +550,7 @@ __device__ __forceinline__ float block_filter_cutoff(const T* __restrict__ row, 
     }, sh, key);
     if (found) cut = fmaxf(cut, key_float(key));
   }
-  if (filter.min_p > 0.0f) cut = fmaxf(cut, (float)log((double)filter.min_p));
+  cut = fmaxf(cut, filter.min_p_cut());
   return cut;
 }
 

@@ -29,13 +29,14 @@ struct SamplePlan {
   size_t stats = 0, totals = 0, counters = 0, total = 0;  // workspace layout (bytes)
 };
 
-// Few rows and no filter (a filter's cutoff needs the whole row in one block): chunks so that the
-// grid holds about 4 blocks per SM, as accept's split path. The one-block kernel runs 2 blocks per
+// Few rows and no ranking filter (a top-k / top-p cutoff needs the whole row in one block; min-p
+// needs only the row's maximum): chunks so that the grid holds about 4 blocks per SM, as accept's
+// split path. The one-block kernel runs 2 blocks per
 // SM, so from 2 rows per SM on every SM is busy without splitting.
 SamplePlan plan_sample(const SampleProblem& pb) {
   SamplePlan plan;
   const int64_t rows = pb.batch * pb.positions, sms = (int64_t)multiprocessor_count();
-  if (pb.filter.active() || rows == 0) return plan;
+  if (pb.filter.ranks(pb.vocab) || rows == 0) return plan;
   const int64_t by_vocab = std::max<int64_t>(1, (pb.vocab + kMinChunk - 1) / kMinChunk);
   if (rows < 2 * sms) plan.splits = std::min({(4 * sms + rows - 1) / rows, by_vocab, kMaxSplits});
   if (const int64_t requested = splits_requested(); requested > 0) plan.splits = std::min(requested, by_vocab);

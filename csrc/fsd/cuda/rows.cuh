@@ -1,5 +1,5 @@
 // fsd_ext.divergence, fsd_ext.sample and fsd_ext.philox_uniforms on CUDA: one block per row, or for
-// sample with few rows and no filter, one block per vocabulary chunk of a row (the split path).
+// sample with few rows and no top-k / top-p, one block per vocabulary chunk of a row (the split path).
 #pragma once
 
 #include "fsd/cuda/device.cuh"
@@ -94,7 +94,7 @@ __global__ void __launch_bounds__(kThreads, 2) sample_rows_kernel(const SamplePr
   if (threadIdx.x == 0) *out = token;
 }
 
-// Split path of fsd_ext.sample (no filter, few rows; the planner is in rows.cu): each (row,
+// Split path of fsd_ext.sample (few rows, no filter but min-p; the planner is in rows.cu): each (row,
 // position) cut into `splits` vocabulary chunks of `chunk` ids, one block each, in two launches,
 // so that a batch of one reads its row with many SMs instead of one. Rows are flattened as
 // r = b * positions + s, chunks fastest.
@@ -165,7 +165,8 @@ __global__ void __launch_bounds__(kThreads, 2) sample_draw_kernel(const SamplePr
     if (at.c == 0 && threadIdx.x == 0) *at.out = stat_good(st.flags) ? (int64_t)st.argmax : -1;
     return;
   }
-  const Dist p = softmax_dist(st.max, at.inv, -kInf, st.sum_s);
+  // (sum_s, the unfiltered sum, is never read: the draw measures u in the weights' own total.)
+  const Dist p = softmax_dist(st.max, at.inv, pb.filter.min_p_cut(), st.sum_s);
   auto weight = [&](int64_t j) { return p.weight(load_logit(at.row + j)); };
   const double own = block_weight_total(at.begin, at.end, weight, scan);
   const double* totals = ws.chunk_totals + at.r * ws.splits;

@@ -354,50 +354,53 @@ Tally compare_sample(Rng& rng, int n) {
 
 // Well-separated sampling problems (each row's mass on 24 live ids, the rest 40 below) on both
 // paths of the sample op: one block per row and the split path (checked by its workspace), every
-// dtype, temperatures 1, 0.7, 0 (argmax) and 1.3 per row. Every row must agree with the CPU kernel;
-// with another seed on the CUDA side (the negative control) most rows must not.
+// dtype, temperatures 1, 0.7, 0 (argmax) and 1.3 per row, without a filter and with min-p 0.05 (the
+// one filter the split path applies). Every row must agree with the CPU kernel; with another seed
+// on the CUDA side (the negative control) most rows must not.
 void compare_sample_paths(Rng& rng, Tally& separated, Tally& control) {
   constexpr int64_t kRows = 4, kPositions = 2, kVocab = 20001, kLive = 24;
   const std::vector<float> temperatures = {1.0f, 0.7f, 0.0f, 1.3f};
   for (const DType dtype : {DType::Float32, DType::BFloat16, DType::Float16})
-    for (const bool split : {false, true}) {
-      default_launch(0);  // 132 SMs: 8 rows take the split path unless forced to one chunk
-      if (!split) set_env("FSD_EXT_CUDA_SPLITS", "1");
-      SampleCase c;
-      Logits& l = c.logits;
-      l.dtype = dtype;
-      l.rows = kRows * kPositions;
-      l.vocab = l.row_stride = kVocab;
-      l.values.resize(l.rows * kVocab);
-      for (float& v : l.values) v = -40.0f + (float)rng.normal();
-      for (int64_t r = 0; r < l.rows; ++r)
-        for (int64_t i = 0; i < kLive; ++i) l.values[r * kVocab + rng.integer(0, kVocab - 1)] = 1.5f * (float)rng.normal();
-      store_logits(l);
-      fsd::SampleProblem& p = c.problem;
-      p.batch = kRows, p.positions = kPositions, p.vocab = kVocab, p.dtype = dtype, p.logits = l.data();
-      p.stride_s = kVocab, p.stride_b = kPositions * kVocab;
-      p.temperature.per_row = temperatures.data();
-      p.key.seed.scalar = (int64_t)rng.engine();
-      std::vector<int64_t> cpu(l.rows), gpu(l.rows), other(l.rows);
-      p.tokens = cpu.data();
-      fsd::cpu::sample(p);
-      const int64_t split_before = sample_split_launches;
-      p.tokens = gpu.data();
-      CHECK(launch_sample_on(p, 0x5A), "separated sample: launch failed");
-      CHECK((sample_split_launches > split_before) == split, "separated sample: split path %d not taken", (int)split);
-      p.key.seed.scalar += 1;
-      p.tokens = other.data();
-      CHECK(launch_sample_on(p, 0x5A), "separated sample: launch failed");
-      for (int64_t r = 0; r < l.rows; ++r) {
-        ++separated.rows, ++control.rows;
-        if (cpu[r] != gpu[r]) {
-          ++separated.rows_differing;
-          std::fprintf(stderr, "separated sample (dtype %d, split %d) row %ld: cpu %ld cuda %ld\n", (int)dtype,
-                       (int)split, (long)r, (long)cpu[r], (long)gpu[r]);
+    for (const bool split : {false, true})
+      for (const float min_p : {0.0f, 0.05f}) {
+        default_launch(0);  // 132 SMs: 8 rows take the split path unless forced to one chunk
+        if (!split) set_env("FSD_EXT_CUDA_SPLITS", "1");
+        SampleCase c;
+        Logits& l = c.logits;
+        l.dtype = dtype;
+        l.rows = kRows * kPositions;
+        l.vocab = l.row_stride = kVocab;
+        l.values.resize(l.rows * kVocab);
+        for (float& v : l.values) v = -40.0f + (float)rng.normal();
+        for (int64_t r = 0; r < l.rows; ++r)
+          for (int64_t i = 0; i < kLive; ++i) l.values[r * kVocab + rng.integer(0, kVocab - 1)] = 1.5f * (float)rng.normal();
+        store_logits(l);
+        fsd::SampleProblem& p = c.problem;
+        p.batch = kRows, p.positions = kPositions, p.vocab = kVocab, p.dtype = dtype, p.logits = l.data();
+        p.stride_s = kVocab, p.stride_b = kPositions * kVocab;
+        p.temperature.per_row = temperatures.data();
+        p.filter.min_p = min_p;
+        p.key.seed.scalar = (int64_t)rng.engine();
+        std::vector<int64_t> cpu(l.rows), gpu(l.rows), other(l.rows);
+        p.tokens = cpu.data();
+        fsd::cpu::sample(p);
+        const int64_t split_before = sample_split_launches;
+        p.tokens = gpu.data();
+        CHECK(launch_sample_on(p, 0x5A), "separated sample: launch failed");
+        CHECK((sample_split_launches > split_before) == split, "separated sample: split path %d not taken", (int)split);
+        p.key.seed.scalar += 1;
+        p.tokens = other.data();
+        CHECK(launch_sample_on(p, 0x5A), "separated sample: launch failed");
+        for (int64_t r = 0; r < l.rows; ++r) {
+          ++separated.rows, ++control.rows;
+          if (cpu[r] != gpu[r]) {
+            ++separated.rows_differing;
+            std::fprintf(stderr, "separated sample (dtype %d, split %d, min_p %g) row %ld: cpu %ld cuda %ld\n",
+                         (int)dtype, (int)split, min_p, (long)r, (long)cpu[r], (long)gpu[r]);
+          }
+          control.rows_differing += cpu[r] != other[r];
         }
-        control.rows_differing += cpu[r] != other[r];
       }
-    }
   default_launch(0);
 }
 
