@@ -417,12 +417,6 @@ void compare_uniforms() {
   }
 }
 
-// Diagnostic (not part of the test): how often CPU and CUDA sampled tokens differ on `rows` rows of
-// N(0, scale^2) float32 logits of `vocab` ids, through fsd_ext.sample and through accept's bonus /
-// correction (sd, drafts the draft's argmax, draft = target + N(0, 0.3^2)), and which kernel is off
-// the exact (long double) draw. Each inverse CDF compares u * total with cumulative sums; where a
-// total is not the sum of the weights scanned (but from a separate statistics pass), the
-// boundaries move by that rounding, and about V * 1e-7 of the draws land between two kernels'.
 // The id an exact inverse CDF (long double) draws with uniform u from weights w >= 0.
 int64_t exact_inverse_cdf(const std::vector<long double>& w, double u) {
   long double total = 0.0L, cumulative = 0.0L;
@@ -505,6 +499,12 @@ BonusDraws compare_bonus_draws(Rng& rng) {
   return t;
 }
 
+// Diagnostic (not part of the test): how often CPU and CUDA sampled tokens differ on `rows` rows of
+// N(0, scale^2) float32 logits of `vocab` ids, through fsd_ext.sample and through accept's bonus /
+// correction (sd and fsd-strict, below), and which kernel is off the exact (long double) draw.
+// Each inverse CDF compares u * total with cumulative sums; where a total is not the sum of the
+// weights scanned (but from a separate statistics pass), the boundaries move by that rounding, and
+// about V * 1e-8 of the draws land between two kernels'.
 int sampling_parity(int64_t vocab, int64_t rows, float scale) {
   Rng rng(5);
   default_launch(2);
