@@ -298,14 +298,16 @@ def test_agreement_up_to_ties_counts_rounding_ties_only():
 
 def test_bonus_draws_at_a_large_vocabulary_follow_the_float_weights():
     """helpers.float_weight_draws, which the GPU tests hold the CUDA bonus draws to: K = 0 rows of
-    151936 N(0, 1) logits (every id has weight). The CPU kernel, whose float lanes put its sums
-    ~1e-9 relative off, gives the same draws in all but about 1 in 1000 rows (the simulation
-    measured 1 of 1500); another seed gives others."""
+    151936 N(0, 1) logits (every id has weight), where a sum 1e-9 relative off moves about 1 draw
+    in 1000. The CPU kernel sums its float weights in double (it added float lanes once, and was
+    off in 1 of 1500 such rows in the simulation), so it makes these draws but where its
+    exponential rounds a weight differently from torch's, far rarer (0 of 4 x 400 rows here, 0 of
+    4500 in the simulation); another seed gives others."""
     rows, vocab, seed = 400, 151936, 12
     target = torch.randn(rows, 1, vocab, generator=torch.Generator().manual_seed(41))
     draft, tokens = torch.zeros(rows, 0, vocab), torch.zeros(rows, 0, dtype=torch.int64)
     got = fsd_ext.accept(target, draft, tokens, rule="sd", temperature=1.0, seed=seed, offset=2).tokens[:, 0]
-    assert int((got != float_weight_draws(target[:, 0], seed, offset=2)).sum()) <= 2
+    assert int((got != float_weight_draws(target[:, 0], seed, offset=2)).sum()) <= 1
     assert int((got != float_weight_draws(target[:, 0], seed + 1, offset=2)).sum()) > rows * 0.99
 
 

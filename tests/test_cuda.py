@@ -166,7 +166,7 @@ def test_accept_bonus_draws_at_a_large_vocabulary_follow_the_float_weights(fops,
     double, so the draws are those of the exact sum of the float32 weights
     (helpers.float_weight_draws; the kernel and torch.exp both use CUDA's expf), up to 2 rows for
     rounding. Chunk totals from the statistics pass's online sums moved ~0.5% (~10 rows). (The CPU
-    kernel's float lanes put it off this draw in about 1 row in 1000: test_accept.py.)"""
+    kernel makes these draws too: test_accept.py.)"""
     rows, vocab, seed = 2000, 151936, 12
     target = torch.randn(rows, 1, vocab, generator=torch.Generator().manual_seed(41))
     draft, tokens = torch.zeros(rows, 0, vocab), torch.zeros(rows, 0, dtype=torch.int64)

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "fsd/common.h"
@@ -102,16 +103,28 @@ FSD_CPU_CLONES RowScan scan_row(const T* row, int64_t n) {
   return scan;
 }
 
-// sum of w(j) over [begin, end), kLanes at a time; `w` must be branch-free to vectorise.
-template <typename WeightFn>
+// sum of w(j) over [begin, end), kLanes at a time; `w` must be branch-free to vectorise. kSum says
+// what is summed, which sets the lane sums' type:
+//   Weights (double lanes): sampling weights and masses. An inverse CDF draws the token where the
+//     cumulative sums pass u * total, so the boundaries move wherever those sums disagree with
+//     the total, and with V = 151936 ids a boundary sits every ~1/V of the mass: float lane sums
+//     (~4e-10 relative off for an N(0, 1) row, more where few ids hold the mass) moved about 1
+//     draw in 1000 off the draw an exact sum of the same float weights makes, which the CUDA
+//     kernel (double sums) makes. Double lanes are exact to ~1e-13 (test_core).
+//   Terms (float lanes, flushed to double every kFlushEvery ids, ~1e-7): divergence terms.
+// The widening costs an AVX2 loop a few instructions per 8 ids beside an exponential's ~20.
+enum class SumOf { Weights, Terms };
+
+template <SumOf kSum, typename WeightFn>
 FSD_CPU_CLONES double sum_range(int64_t begin, int64_t end, const WeightFn& w) {
+  using Lane = std::conditional_t<kSum == SumOf::Weights, double, float>;
   double total = 0.0;
-  float lane[kLanes] = {};
+  Lane lane[kLanes] = {};
   int64_t j = begin, since_flush = 0;
   for (; j + kLanes <= end; j += kLanes) {
     FSD_SIMD
-    for (int l = 0; l < kLanes; ++l) lane[l] += w(j + l);
-    if ((since_flush += kLanes) >= kFlushEvery) {
+    for (int l = 0; l < kLanes; ++l) lane[l] += (Lane)w(j + l);
+    if (kSum == SumOf::Terms && (since_flush += kLanes) >= kFlushEvery) {
       for (int l = 0; l < kLanes; ++l) total += lane[l], lane[l] = 0.0f;
       since_flush = 0;
     }
@@ -129,9 +142,10 @@ struct SplitWeight {
   Below below;
   Above above;
   float operator()(int64_t j) const { return j < split ? below(j) : above(j); }
+  template <SumOf kSum = SumOf::Weights>
   double sum(int64_t begin, int64_t end) const {
     const int64_t mid = std::max(begin, std::min(end, split));
-    return sum_range(begin, mid, below) + sum_range(mid, end, above);
+    return sum_range<kSum>(begin, mid, below) + sum_range<kSum>(mid, end, above);
   }
 };
 
@@ -155,8 +169,8 @@ auto kept_exp(const T* row, const Dist& d) {
 // recomputing two exponentials per id, most of its arithmetic.
 template <typename T>
 double sum_exp(const T* row, int64_t n, const Dist& d, float* exps = nullptr) {
-  if (exps == nullptr) return sum_range(0, n, kept_exp(row, d));
-  return sum_range(0, n, [kept = kept_exp(row, d), exps](int64_t j) FSD_INLINE_LAMBDA {
+  if (exps == nullptr) return sum_range<SumOf::Weights>(0, n, kept_exp(row, d));
+  return sum_range<SumOf::Weights>(0, n, [kept = kept_exp(row, d), exps](int64_t j) FSD_INLINE_LAMBDA {
     const float e = kept(j);
     exps[j] = e;
     return e;
@@ -523,7 +537,7 @@ double divergence_sum(const T* zt, int64_t vt, const Dist& p, const T* zd, int64
     const double at_target = term(p.one_hot);
     return q.one_hot == p.one_hot ? at_target : at_target + term(q.one_hot);
   }
-  return term.sum(0, vt);
+  return term.template sum<SumOf::Terms>(0, vt);
 }
 
 // p_j and log p_j of a plain distribution from the stored e_j = exp(s_j) and
@@ -572,7 +586,7 @@ double divergence_sum_stored(const T* zt, const float* exps_t, int64_t vt, const
     target(p.scaled(load_logit(zt, j)), exps_t[j], p_j, lp);
     return divergence_term<D>(p_j, lp, 0.0f, -kInf, log_fn);
   };
-  return split_weight(vd, both, target_only).sum(0, vt);
+  return split_weight(vd, both, target_only).template sum<SumOf::Terms>(0, vt);
 }
 
 // The k ids of div_top_k's buckets, ascending: the k most probable under p, lowest ids on ties.
@@ -624,10 +638,10 @@ double divergence_bucketed(const T* zt, int64_t vt, const Dist& p, const T* zd, 
     double rest = 0.0;
     int64_t begin = 0;
     for (const int64_t id : top) {
-      rest += sum_range(begin, std::min(id, n), weight);
+      rest += sum_range<SumOf::Weights>(begin, std::min(id, n), weight);
       begin = id + 1;
     }
-    return (rest + sum_range(begin, n, weight)) / d.sum;
+    return (rest + sum_range<SumOf::Weights>(begin, n, weight)) / d.sum;
   };
   const double rest_p = rest_of(zt, vt, p), rest_q = rest_of(zd, vd, q);
   return total + divergence_term<D>(rest_p, std::log(rest_p), rest_q, std::log(rest_q), log_fn);
@@ -661,7 +675,11 @@ float divergence(Divergence kind, const T* zt, int64_t vt, const Dist& p, const 
 
 // Inverse-CDF sampling over non-negative weights (a SplitWeight) of ids [0, n) with total `total`:
 // the first id whose cumulative weight exceeds u * total (the last positive-weight id if rounding
-// runs past the end). Vectorised block sums first, then one block element by element.
+// runs past the end). Vectorised block sums first, then one block element by element. (The block
+// sums run in a SIMD clone whose FMA-contracted exponential differs from this baseline code's in
+// the last bit for about 1% of arguments: a rounding-level difference inside the one block
+// scanned. Cloning this function too would risk the GCC 13.2-14.2 crash of Dist::log_prob_float's
+// note, which GCC 12 here cannot check.)
 template <typename Weights>
 int64_t inverse_cdf(int64_t n, const Weights& weight, double total, double u) {
   constexpr int64_t kBlock = 256;

@@ -352,7 +352,7 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
   // 4. Chunk totals of the weights (warp 0): residual max(0, p - q), or exp(s) for p; the chunk
   //    holding u * total. Pass 2 summed them per chunk (draw_mass), p's weights exactly as step
   //    5's scan adds them, so the draw lands where an exact sum of the same float weights puts it
-  //    (so does the CPU kernel's but for about 1 draw in 1000, its float lanes) and step 5 needs
+  //    (as does the CPU kernel's: it sums in double lanes) and step 5 needs
   //    no second pass for the chunk's own total. (The statistics pass's online sums, rescaled per
   //    chunk, are ~1e-7 relative off those weights: that moved about V * 1e-8 of the draws.)
   if (threadIdx.x < 32) {

@@ -455,8 +455,10 @@ struct Attribution {
 // are off by ~1/V of a weight anywhere. The CUDA kernel sums the float weights exp(s_j) in double
 // in both its chunk totals and its scan: every row must give the draw of those weights summed
 // exactly (the statistics pass's online sums, which it once used for the chunk totals, moved
-// about 0.45% of the draws, ~7 of these rows). The CPU kernel adds float lanes, off that draw in
-// about 1 in 1000 rows: the rows where the two kernels differ stay within issue 3's 0.1%.
+// about 0.45% of the draws, ~7 of these rows). So does the CPU kernel (double lanes; its float
+// lanes were off that draw in about 1 in 1000 rows), but where its exponential rounds a weight
+// differently from std::exp, which moves a draw far more rarely (0 of these rows): at most one row
+// may be off, or differ between the kernels.
 struct BonusDraws {
   int64_t rows = 0, differ = 0, cuda_off = 0, cpu_off = 0;
 };
@@ -628,7 +630,8 @@ int main(int argc, char** argv) {
               "float weights summed exactly: %ld / %ld)\n", (long)bonus.differ, (long)bonus.rows,
               (long)bonus.cpu_off, (long)bonus.cuda_off);
   CHECK(bonus.cuda_off == 0, "%ld CUDA bonus draws off the exact draw", (long)bonus.cuda_off);
-  CHECK(bonus.differ <= 1 + bonus.rows / 1000, "%ld of %ld bonus draws differ", (long)bonus.differ, (long)bonus.rows);
+  CHECK(bonus.cpu_off <= 1, "%ld CPU bonus draws off the exact draw", (long)bonus.cpu_off);
+  CHECK(bonus.differ <= 1, "%ld of %ld bonus draws differ", (long)bonus.differ, (long)bonus.rows);
   // Rare floating-point ties aside the kernels agree row for row: at least 99.9% of the rows (as
   // issue 3 asks of a large batch), and one row more on a short run.
   std::printf("accept: %ld rows, %ld differ; sample: %ld rows, %ld differ, %ld calls on the split path (kernel "
