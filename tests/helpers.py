@@ -48,11 +48,11 @@ def agreement_up_to_ties(result, target, draft, tokens, *, seed, offset=0, nudge
     """Fraction of rows where `result` (a kernel's accept result, on the CPU) equals the reference's,
     a differing row counting as agreeing when the reference gives it with every uniform scaled by
     1 - nudge or 1 + nudge: a rounding tie, a uniform within ~1e-5 relative of a boundary of an
-    inverse CDF or a coin's ratio. (A kernel adds its weights in float and in its own order, so each
-    of its V boundaries may sit a rounding, ~1e-7 relative, from the float64 reference's; measured
-    at V = 151936 on flat logits: a few per thousand of the CUDA bonus tokens, whose chunk totals
-    come from the statistics pass, and at most about one in a thousand of the other draws.) A
-    wrong token, count or validity elsewhere still counts as a disagreement."""
+    inverse CDF or a coin's ratio. (A kernel computes its weights in float, so each of its V
+    boundaries may sit a rounding from the float64 reference's; at V = 151936 that moved a few per
+    thousand draws while a kernel's totals came from other sums than its scans (CUDA's statistics
+    pass, the CPU's float lanes), and none of 2000 CPU bonus draws since.) A wrong token, count or
+    validity elsewhere still counts as a disagreement."""
     batch, k = tokens.shape
     same = rows_agree(result, reference.accept(target, draft, tokens, seed=seed, offset=offset, **kwargs))
     coin = reference.philox_uniforms(seed, offset, batch, k, 1)
