@@ -280,7 +280,10 @@ void sample_rows(const SampleProblem& pb, const ParallelFor& parallel_for) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / pb.positions, s = item % pb.positions;
       const T* row = static_cast<const T*>(pb.logits) + b * pb.stride_b + s * pb.stride_s;
-      const RowStats stats = row_stats(row, pb.vocab, pb.temperature.at(b), pb.filter, scratch.filter);
+      // The sum pass stores the row's weights exp(s_j) (0 below a filter's cutoff), and the draw
+      // adds those instead of computing every exponential a second time.
+      float* exps = at_least(scratch.target_exps, pb.vocab);
+      const RowStats stats = row_stats(row, pb.vocab, pb.temperature.at(b), pb.filter, scratch.filter, true, exps);
       if (stats.bad) {
         pb.tokens[item] = -1;
         continue;
@@ -290,8 +293,9 @@ void sample_rows(const SampleProblem& pb, const ParallelFor& parallel_for) {
         pb.tokens[item] = p.one_hot;
         continue;
       }
-      const auto weight = kept_exp(row, p);
-      pb.tokens[item] = inverse_cdf(pb.vocab, split_weight(pb.vocab, weight, weight), p.sum, draw_uniform(pb.key, b, s, Purpose::Draft));
+      const StoredWeights stored{exps};
+      pb.tokens[item] = inverse_cdf(pb.vocab, split_weight(pb.vocab, stored, stored), p.sum,
+                                    draw_uniform(pb.key, b, s, Purpose::Draft));
     }
   });
 }

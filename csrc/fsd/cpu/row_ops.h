@@ -177,6 +177,13 @@ double sum_exp(const T* row, int64_t n, const Dist& d, float* exps = nullptr) {
   });
 }
 
+// Weights a sum pass stored (sum_exp's `exps`), for an inverse CDF over the same row. A functor,
+// not a lambda: see Dist::log_prob_float for the GCC versions that crash on some lambdas here.
+struct StoredWeights {
+  const float* exps;
+  FSD_ALWAYS_INLINE float operator()(int64_t j) const { return exps[j]; }
+};
+
 // take(j) for each id j in [0, n) with pick(j), in ascending order. `pick` (branch-free) runs over
 // blocks of ids first as one vectorised count, so a block without a pick costs one pass of it.
 template <typename Pick, typename Take>
