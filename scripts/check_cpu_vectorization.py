@@ -70,10 +70,11 @@ def template_name(function):
 def check(sources, cxx, listing):
     """(hot instances found per template, SIMD clones that vectorise nothing, baseline ones)."""
     found, misses, baseline_misses = {name: 0 for name in HOT}, [], []
+    flags = setup_cxx_flags()
     with tempfile.TemporaryDirectory() as tmp:
         for src in sources:
             dump = os.path.join(tmp, os.path.basename(src) + ".vect")
-            cmd = [cxx, *setup_cxx_flags(), "-I", os.path.join(ROOT, "csrc"), "-c", src, "-o", os.devnull,
+            cmd = [cxx, *flags, "-I", os.path.join(ROOT, "csrc"), "-c", src, "-o", os.devnull,
                    f"-fdump-tree-vect-details={dump}"]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:

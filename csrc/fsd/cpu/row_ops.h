@@ -682,10 +682,10 @@ float divergence(Divergence kind, const T* zt, int64_t vt, const Dist& p, const 
 
 // Inverse-CDF sampling over non-negative weights (a SplitWeight) of ids [0, n) with total `total`:
 // the first id whose cumulative weight exceeds u * total (the last positive-weight id if rounding
-// runs past the end). Vectorised block sums first, then one block element by element. (The block
-// sums run in a SIMD clone whose FMA-contracted exponential differs from this baseline code's in
-// the last bit for about 1% of arguments: a rounding-level difference inside the one block
-// scanned. Cloning this function too would risk the GCC 13.2-14.2 crash of Dist::log_prob_float's
+// runs past the end). Vectorised block sums first, then one block element by element. (Weights
+// computed on the fly, kept_exp's: the block sums run in a SIMD clone whose FMA-contracted
+// exponential differs from this baseline code's in the last bit for about 1% of arguments, a
+// rounding-level difference inside the one block scanned; stored weights have none. Cloning this function too would risk the GCC 13.2-14.2 crash of Dist::log_prob_float's
 // note, which GCC 12 here cannot check.)
 template <typename Weights>
 int64_t inverse_cdf(int64_t n, const Weights& weight, double total, double u) {

@@ -67,8 +67,7 @@ void test_weight_sums_are_exact() {
   long double running = 0.0L;
   for (int64_t j = 0; j < vocab; ++j) cumulative[j] = running += weights[j];
   const long double exact = running;
-  const float* w = weights.data();
-  auto weight = [w](int64_t j) { return w[j]; };
+  const fsd::cpu::StoredWeights weight{weights.data()};
   const double total = fsd::cpu::sum_range<fsd::cpu::SumOf::Weights>(0, vocab, weight);
   const double float_lanes = fsd::cpu::sum_range<fsd::cpu::SumOf::Terms>(0, vocab, weight);
   EXPECT(std::fabs((long double)total - exact) <= 1e-13L * exact);
