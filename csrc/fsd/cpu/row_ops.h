@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -249,47 +250,66 @@ FSD_ALWAYS_INLINE float block_max_logit(const T* row, int64_t start, int64_t end
   return block_max;
 }
 
+// What block_maxima<true> also gathers about the values a walk visits (finite s_j >= floor): the
+// sum of their weights exp(s_j) (top-p's total) and the smallest of them (0 when none), which
+// spares walk_buckets its smallest_kept pass.
+struct Visited {
+  double total = 0.0;
+  float smallest = 0.0f;
+};
+
 // Each block's largest s_j, for the blocks holding one >= floor (and > -inf), in `maxima`. They are
 // values of distinct ids, so the m-th largest of them is at most the row's m-th largest value: a
-// starting bar for collect_largest that skips all but about m blocks. With kSum, `total` also gets
-// the sum of exp(s_j) over s_j >= floor (top-p's total) from the same pass.
+// starting bar for collect_largest that skips all but about m blocks. With kSum, `visited` from
+// the same pass.
 template <bool kSum, typename T>
 FSD_CPU_CLONES void block_maxima(const T* row, int64_t n, const Dist& d, float floor, std::vector<float>& maxima,
-                                 double& total) {
+                                 Visited& visited) {
   maxima.clear();
   maxima.reserve((size_t)((n + kSelectBlock - 1) / kSelectBlock));
-  total = 0.0;
+  // Float lane sums flushed to the total every kFlushEvery ids, not per block: a block's 16-lane
+  // reduction is a chain of dependent additions (~8% of this pass, single-thread timing).
+  float lane_sum[kLanes] = {}, lane_min[kLanes] = {};
+  double total = 0.0;
+  float smallest = 0.0f;
   for (int64_t start = 0; start < n; start += kSelectBlock) {
     const int64_t end = std::min(n, start + kSelectBlock);
     float top;
-    if (kSum) {  // one loop for both: the exponentials dominate, the max comes with them
-      float lane_max[kLanes], lane_sum[kLanes];
-      for (int l = 0; l < kLanes; ++l) lane_max[l] = -kInf, lane_sum[l] = 0.0f;
+    if (kSum) {  // one loop for all three: the exponentials dominate, the max comes with them
+      float lane_max[kLanes];
+      for (int l = 0; l < kLanes; ++l) lane_max[l] = -kInf;
       int64_t j = start;
       for (; j + kLanes <= end; j += kLanes) {
         FSD_SIMD
         for (int l = 0; l < kLanes; ++l) {
           const float x = load_logit(row, j + l);
           const float s = d.scaled(x);
+          const bool visits = walk_visits(s, floor);
           lane_max[l] = x > lane_max[l] ? x : lane_max[l];
-          lane_sum[l] += walk_visits(s, floor) ? exp_nonpositive(s) : 0.0f;
+          lane_sum[l] += visits ? exp_nonpositive(s) : 0.0f;
+          lane_min[l] = visits && s < lane_min[l] ? s : lane_min[l];
         }
       }
-      float block_max = -kInf, block_sum = 0.0f;
-      for (int l = 0; l < kLanes; ++l) block_max = std::max(block_max, lane_max[l]), block_sum += lane_sum[l];
-      for (; j < end; ++j) {
+      float block_max = -kInf;
+      for (int l = 0; l < kLanes; ++l) block_max = std::max(block_max, lane_max[l]);
+      for (; j < end; ++j) {  // the last block's tail
         const float x = load_logit(row, j);
         const float s = d.scaled(x);
         block_max = std::max(block_max, x);
-        block_sum += walk_visits(s, floor) ? exp_nonpositive(s) : 0.0f;
+        if (!walk_visits(s, floor)) continue;
+        total += (double)exp_nonpositive(s);
+        smallest = std::min(smallest, s);
       }
-      total += (double)block_sum;
       top = d.scaled(block_max);
+      if (end % kFlushEvery == 0)
+        for (int l = 0; l < kLanes; ++l) total += lane_sum[l], lane_sum[l] = 0.0f;
     } else {
       top = d.scaled(block_max_logit(row, start, end));
     }
     if (walk_visits(top, floor)) maxima.push_back(top);
   }
+  for (int l = 0; l < kLanes; ++l) total += lane_sum[l], smallest = std::min(smallest, lane_min[l]);
+  visited = Visited{total, smallest};
 }
 
 // The m largest scaled values s_j >= bar (and > -inf) of a row, unordered, in `out`: all of them
@@ -332,7 +352,7 @@ FSD_CPU_CLONES void collect_largest(const T* row, int64_t n, const Dist& d, int6
 // collect_largest.
 template <typename T>
 void largest_scaled(const T* row, int64_t n, const Dist& d, int64_t m, float floor, std::vector<float>& out) {
-  double unused;
+  Visited unused;
   block_maxima<false>(row, n, d, floor, out, unused);
   float bar = floor;
   if ((int64_t)out.size() >= m) {
@@ -369,12 +389,14 @@ FSD_CPU_CLONES float smallest_kept(const T* row, int64_t n, const Dist& d, float
 // and everything shares the last bucket), the bucket where the cumulative weight reaches the
 // target, then that bucket's values alone sorted and walked. `goal`: k for Walk::Count, top_p for
 // Walk::Mass, whose total weight the bucket pass sums on the way (no pass of its own).
+// `smallest`: smallest_kept's value when the caller has it (block_maxima<true>), else a pass of
+// its own finds it.
 template <Walk W, typename T>
 FSD_CPU_CLONES float walk_buckets(const T* row, int64_t n, const Dist& d, float floor, double goal,
-                                  std::vector<float>& scratch) {
+                                  std::vector<float>& scratch, std::optional<float> smallest = std::nullopt) {
   constexpr int kBuckets = 2048;
   constexpr int64_t kBlock = 4 * kLanes;
-  const float lo = std::max(smallest_kept(row, n, d, floor), -88.0f);
+  const float lo = std::max(smallest ? *smallest : smallest_kept(row, n, d, floor), -88.0f);
   const float scale = lo < 0.0f ? (float)(kBuckets - 1) / -lo : 0.0f;
   auto bucket_of = [scale](float s) FSD_INLINE_LAMBDA {  // s <= 0; NaN (s = -inf, scale 0) -> last
     const float x = -s * scale;
@@ -434,18 +456,30 @@ float sort_and_walk(std::vector<float>& scratch, double target) {
   return walk_sorted<W>(scratch, target, cumulative);
 }
 
-// A top-p walk over a row with no small top-k before it. One pass takes the block maxima and the
-// total. The j largest block maxima are j distinct values, each at most the row's value of the
-// same rank, so once they weigh top_p of the total, the walk ends within the row's j largest
-// values; when the largest kFewValues block maxima do not get there (a flat row, or the top values
-// crowd into a few blocks, as related tokens' ids often do), the walk may still end within the
-// largest kFewValues values. Those values are selected, sorted and walked; if the walk falls short
-// (a flat row), walk_buckets.
+// Whether a row's kFewValues largest values can weigh `target`, given its `few` largest block
+// maxima in descending order: a block holds kSelectBlock values at most its maximum, so those
+// values weigh at most kSelectBlock times the weights of the kFewValues / kSelectBlock largest
+// block maxima (with a margin for the rounding of the walk's sum). A flat row's fall far short,
+// and selecting them would be a wasted pass. (Only a pass: walk_buckets finds the same cutoff.)
+inline bool few_values_can_reach(const std::vector<float>& maxima, int64_t few, double target) {
+  double most = 0.0;
+  for (int64_t i = 0; i < few && i * kSelectBlock < kFewValues; ++i)
+    most += (double)kSelectBlock * (double)walk_weight<Walk::Mass>(maxima[i]);
+  return most * (1.0 + 1e-6) >= target;
+}
+
+// A top-p walk over a row with no small top-k before it. One pass takes the block maxima, the
+// total and the smallest value. The j largest block maxima are j distinct values, each at most the
+// row's value of the same rank, so once they weigh top_p of the total, the walk ends within the
+// row's j largest values; when the largest kFewValues block maxima do not get there (a flat row,
+// or the top values crowd into a few blocks, as related tokens' ids often do), the walk may still
+// end within the largest kFewValues values. Those values are selected, sorted and walked unless
+// even the most they can weigh falls short; if the walk falls short (a flat row), walk_buckets.
 template <typename T>
 float top_p_cutoff(const T* row, int64_t n, const Dist& d, float floor, double top_p, std::vector<float>& scratch) {
-  double total;
-  block_maxima<true>(row, n, d, floor, scratch, total);
-  const double target = top_p * total;
+  Visited visited;
+  block_maxima<true>(row, n, d, floor, scratch, visited);
+  const double target = top_p * visited.total;
   const int64_t few = std::min<int64_t>(kFewValues, (int64_t)scratch.size());
   if (few > 0) {
     std::nth_element(scratch.begin(), scratch.begin() + (few - 1), scratch.end(), std::greater<float>());
@@ -455,11 +489,13 @@ float top_p_cutoff(const T* row, int64_t n, const Dist& d, float floor, double t
       cumulative += (double)walk_weight<Walk::Mass>(scratch[m - 1]);
       if (!(cumulative < target)) break;
     }
-    collect_largest(row, n, d, m, scratch[m - 1], scratch);
-    const float cutoff = sort_and_walk<Walk::Mass>(scratch, target);
-    if (cutoff == cutoff) return cutoff;
+    if (m < few || few_values_can_reach(scratch, few, target)) {
+      collect_largest(row, n, d, m, scratch[m - 1], scratch);
+      const float cutoff = sort_and_walk<Walk::Mass>(scratch, target);
+      if (cutoff == cutoff) return cutoff;
+    }
   }
-  return walk_buckets<Walk::Mass>(row, n, d, floor, top_p, scratch);
+  return walk_buckets<Walk::Mass>(row, n, d, floor, top_p, scratch, visited.smallest);
 }
 
 // The cutoff of a walk (see Walk) over the kept values (finite s_j >= floor), -inf if the walk keeps

@@ -328,6 +328,11 @@ void test_filter_cutoffs_equal_sorting() {
   }
   EXPECT(compared >= 9 * (compared + skipped) / 10);  // the comparison is not mostly skipped
 
+  // top-p's bound on what the 256 largest values can weigh: 256 values at most e^0 = 1 weigh at most
+  // 256, so a target of 300 cannot be reached (the selection is skipped), 256 can.
+  const std::vector<float> maxima(10, 0.0f);
+  EXPECT(!fsd::cpu::few_values_can_reach(maxima, 10, 300.0) && fsd::cpu::few_values_can_reach(maxima, 10, 256.0));
+
   // top_k = 2: the selection's buffer (k + 1024 values) fills at 1025, is cut to {1025, 1024}, and
   // the last value, 1024.5, must still get in: the cutoff is the 2nd largest, 1024.5.
   std::vector<float> rising(1027);
