@@ -24,8 +24,9 @@ LOG="$ROOT/build/host-compilers"
 mkdir -p "$LOG"
 
 if [[ "$(id -u)" != 0 ]]; then echo "check_host_compilers: needs root (debootstrap, chroot)" >&2; exit 2; fi
-if ! command -v debootstrap >/dev/null; then
-  apt-get install -y -q debootstrap >"$LOG/apt.log" 2>&1 || { tail -n 20 "$LOG/apt.log"; exit 2; }
+if ! command -v debootstrap >/dev/null; then  # with the package lists the machine has, else fresh ones
+  { apt-get install -y -q debootstrap || { apt-get update -q && apt-get install -y -q debootstrap; }; } >"$LOG/apt.log" 2>&1 \
+    || { tail -n 20 "$LOG/apt.log"; exit 2; }
 fi
 
 in_root() { chroot "$GCC_ROOT" /usr/bin/env -i PATH=/usr/bin:/bin bash -c "$1"; }
