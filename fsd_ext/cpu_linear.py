@@ -22,9 +22,24 @@ in cache, so it reads half the bytes but does the float32 work; median of 15, 20
 
 so one bfloat16 row stays with F.linear.
 
+Those are an AMD EPYC's numbers, where torch's BLAS, MKL, takes slow paths for few-row products.
+On an Intel CPU MKL takes its fast ones, and there the kernel loses (Intel Xeon with AVX-512, torch
+2.13, float32, 2 threads, median of 11, 2026-12-02; F.linear / skinny_linear time):
+
+    shape               1 row    2 rows   6 rows
+    1536x1536           1.00x    0.76x    0.85x
+    8960x1536           0.96x    0.86x    0.97x
+    4864x896            0.94x    0.78x    0.76x
+    151936x896          0.79x    0.75x    1.00x
+
+and whole forwards of the Qwen2.5-Coder pair (float32, median of 7, alternating) took, F.linear
+against the kernel: target 1 token 276 / 349 ms, 6 tokens 571 / 549 ms; draft 1 token 106 / 115
+ms, 2 tokens 115 / 125 ms: 21% faster autoregressive decoding and one SD step (K = 5) about even.
+So `skinny_pays_off()` says whether to use it: not where torch's BLAS is MKL on an Intel CPU.
+
 Same products, another summation order: results differ from F.linear by float rounding only
-(tests/test_cpu_linear.py). fsd_ext.generate switches it on for its own forwards on the CPU
-(`skinny_cpu_linears="auto"`) and restores the models' modules when it returns;
+(tests/test_cpu_linear.py). fsd_ext.generate switches it on for its own forwards on the CPU where
+it pays off (`skinny_cpu_linears="auto"`) and restores the models' modules when it returns;
 `use_skinny_cpu_linears(model)` switches it on for good (e.g. for other decoding loops).
 """
 
@@ -32,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import platform
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +87,27 @@ def _native_op():
     this runs for every linear of every decoding forward)."""
     from . import ops
     return torch.ops.fsd_ext.skinny_linear if ops._IMPORT_ERROR is None else None
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string ("GenuineIntel", "AuthenticAMD", ...; "" when unknown)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "GenuineIntel" if "GenuineIntel" in platform.processor() else ""
+
+
+@functools.lru_cache(maxsize=None)
+def skinny_pays_off() -> bool:
+    """Whether skinny_linear beats F.linear for decoding's few-row products here, by a fixed rule
+    (a timed choice could differ between two runs, and with it the float rounding of their
+    tokens): F.linear wins where torch's BLAS is MKL on an Intel CPU (the numbers above), the
+    kernel wins on the AMD CPU it was measured on, and is kept elsewhere."""
+    return not (torch.backends.mkl.is_available() and cpu_vendor() == "GenuineIntel")
 
 
 def _forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -42,7 +42,7 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from . import cuda_graphs, ops, reference
+from . import cpu_linear, cuda_graphs, ops, reference
 from .cpu_linear import skinny_cpu_linears as skinny_linears_during
 from .kv_cache import StaticKVCache
 from .types import DIVERGENCES, PURPOSE_ACCEPT, RULES
@@ -584,9 +584,10 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
             count the accepted drafts SD would have rejected (stats.sd_rejected_accepted: replays
             each step's coins and needs p(d), q(d), a log-softmax per drafted row and a sort under
             top-p; timed apart in stats.diagnostics_seconds, not in stats.seconds).
-        skinny_cpu_linears: "auto" (on for CPU), True or False: compute the models' few-row float32 and bfloat16
-            linears the faster way during this call (fsd_ext.cpu_linear; same math, other float
-            rounding than stock F.linear); the models are restored on return.
+        skinny_cpu_linears: "auto" (on for CPU where it pays off: fsd_ext.cpu_linear.skinny_pays_off,
+            not with torch's MKL on an Intel CPU), True or False: compute the models' few-row float32
+            and bfloat16 linears with fsd_ext's kernel during this call (fsd_ext.cpu_linear; same
+            math, other float rounding than stock F.linear); the models are restored on return.
 
     Returns:
         GenerateOutput(sequences [B, P + N] int64, stats GenerateStats).
@@ -610,7 +611,8 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         pad_token_id = getattr(target.generation_config, "pad_token_id", None)
         pad_token_id = pad_token_id if pad_token_id is not None else (
             settings.eos_ids[0] if settings.eos_ids else 0)
-    fast_linears = device.type == "cpu" if skinny_cpu_linears == "auto" else bool(skinny_cpu_linears)
+    fast_linears = (device.type == "cpu" and cpu_linear.skinny_pays_off() if skinny_cpu_linears == "auto"
+                    else bool(skinny_cpu_linears))
     with skinny_linears_during(target, draft if settings.speculative else None, enabled=fast_linears):
         batch, prompt_len = input_ids.shape
         seeds = _row_seeds(seed, batch).to(device)  # [B]

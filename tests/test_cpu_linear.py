@@ -1,6 +1,8 @@
 """fsd_ext.cpu_linear: the few-row CPU linear is F.linear up to float rounding, and patching a
 model is reversible and changes nothing else."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -139,3 +141,22 @@ def test_patch_model_is_reversible():
     assert use_skinny_cpu_linears(model, enable=False) == 2
     assert all("forward" not in m.__dict__ for m in model if isinstance(m, torch.nn.Linear))
     assert torch.equal(model(x), before)
+
+
+@pytest.mark.parametrize("vendor,mkl,pays_off", [("GenuineIntel", True, False), ("AuthenticAMD", True, True),
+                                                 ("GenuineIntel", False, True), ("", True, True)])
+def test_skinny_pays_off_except_with_mkl_on_intel(monkeypatch, vendor, mkl, pays_off):
+    monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
+    cpu_linear.skinny_pays_off.cache_clear()
+    try:
+        assert cpu_linear.skinny_pays_off() is pays_off
+    finally:
+        cpu_linear.skinny_pays_off.cache_clear()
+
+
+def test_cpu_vendor_reads_this_machine():
+    vendor = cpu_linear.cpu_vendor()
+    assert isinstance(vendor, str)
+    if os.path.exists("/proc/cpuinfo") and "vendor_id" in open("/proc/cpuinfo").read():
+        assert vendor  # a Linux x86 machine names its vendor

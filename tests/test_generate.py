@@ -937,9 +937,11 @@ def test_cli_parser():
         cli.main(["generate", "--target", "t", "--prompt", "hi"])  # sd/fsd need --draft
 
 
-@pytest.mark.parametrize("setting,expect_fast", [("auto", True), (False, False)])
-def test_skinny_cpu_linears_only_during_the_call(target, draft, monkeypatch, setting, expect_fast):
+@pytest.mark.parametrize("setting,pays_off,expect_fast", [("auto", True, True), ("auto", False, False),
+                                                         (True, False, True), (False, True, False)])
+def test_skinny_cpu_linears_only_during_the_call(target, draft, monkeypatch, setting, pays_off, expect_fast):
     from fsd_ext import cpu_linear
+    monkeypatch.setattr(cpu_linear, "skinny_pays_off", lambda: pays_off)
     calls = []
     real = cpu_linear.skinny_linear
     monkeypatch.setattr(cpu_linear, "skinny_linear", lambda *a: calls.append(1) or real(*a))
