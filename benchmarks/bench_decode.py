@@ -8,10 +8,11 @@ median tokens/s (total new tokens / total seconds over the prompts) and the toke
 call (for HF: new tokens / target forwards, counted with a hook). transformers reads the number of
 assistant tokens from the assistant's generation_config, so that is where K is set (hf_assisted);
 hf_assisted_default keeps HF's own choice (K=20 with a confidence-based early stop in 5.x).
-On the CPU fsd_ext.generate computes the models' few-row linears with its own kernel
-(fsd_ext.cpu_linear); hf_assisted+skinny runs HF's assisted generation on models patched with the
-same kernel, so hf_assisted -> hf_assisted+skinny is what the kernel gains and
-hf_assisted+skinny -> sd what the loop gains.
+On the CPU fsd_ext.generate computes the models' few-row linears with its own kernel where that
+pays off (fsd_ext.cpu_linear.skinny_pays_off: not where torch's BLAS is MKL on an Intel CPU);
+hf_assisted+skinny runs HF's assisted generation on models patched with the same kernel, so there
+hf_assisted -> hf_assisted+skinny is what the kernel gains and hf_assisted+skinny -> sd what the
+loop gains (on an Intel CPU with MKL, hf_assisted -> sd).
 
     python benchmarks/bench_decode.py --quick                   # offline Qwen2.5-Coder 1.5B / 0.5B
     python benchmarks/bench_decode.py --target T --draft D --max-new-tokens 64 --repeats 5
