@@ -93,6 +93,43 @@ void test_weight_sums_are_exact() {
   EXPECT(off_perturbed > 0);
 }
 
+// block_maxima<true>, top-p's first pass, against plain loops: each block's largest value (of the
+// blocks a walk visits), the visited values' total weight (float lanes flushed every kFlushEvery
+// ids: within 1e-6 of an exact sum) and their smallest value; rows with -inf logits, with and
+// without a floor, and lengths that leave a partial last block.
+void test_top_p_first_pass() {
+  std::mt19937 gen(13);
+  std::normal_distribution<float> normal;
+  for (int64_t n : {63, 1000, 151937}) {
+    std::vector<float> z(n);
+    for (int64_t j = 0; j < n; ++j) z[j] = j % 97 == 5 ? -INFINITY : 2.0f * normal(gen);
+    fsd::cpu::Dist d;
+    d.max = *std::max_element(z.begin(), z.end());
+    d.inv_tau = 1.0f / 0.7f;
+    for (const float floor : {-INFINITY, -3.0f}) {
+      std::vector<float> maxima, expected_maxima;
+      fsd::cpu::Visited visited;
+      fsd::cpu::block_maxima<true>(z.data(), n, d, floor, maxima, visited);
+      long double exact = 0.0L;
+      float smallest = 0.0f;
+      for (int64_t start = 0; start < n; start += fsd::cpu::kSelectBlock) {
+        float top = -INFINITY;
+        for (int64_t j = start; j < std::min(n, start + fsd::cpu::kSelectBlock); ++j) {
+          const float s = d.scaled(z[j]);
+          top = std::max(top, s);
+          if (!fsd::cpu::walk_visits(s, floor)) continue;
+          exact += fsd::cpu::exp_nonpositive(s);
+          smallest = std::min(smallest, s);
+        }
+        if (fsd::cpu::walk_visits(top, floor)) expected_maxima.push_back(top);
+      }
+      EXPECT(maxima == expected_maxima);
+      EXPECT(std::fabs((long double)visited.total - exact) <= 1e-6L * exact);
+      EXPECT(visited.smallest == smallest);
+    }
+  }
+}
+
 void test_half_conversions() {
   EXPECT(fsd::cpu::to_float(fsd::cpu::Float16{0x3C00}) == 1.0f);
   EXPECT(fsd::cpu::to_float(fsd::cpu::Float16{0xC000}) == -2.0f);
@@ -349,6 +386,7 @@ int main() {
   test_uniforms_in_range_and_streams_differ();
   test_fast_exp_and_log();
   test_weight_sums_are_exact();
+  test_top_p_first_pass();
   test_half_conversions();
   test_rules_table();
   test_divergences_by_hand();
