@@ -124,11 +124,13 @@ Tensor skinny_linear_cpu(const Tensor& x, const Tensor& weight, const OptTensor&
                 bias->sizes());
     bias_f = bias->to(at::kFloat).contiguous();
   }
-  const Tensor x_rows = x.reshape({rows, in}).to(at::kFloat).contiguous();
+  const Tensor x_stored = x.reshape({rows, in}).contiguous();
+  const Tensor x_rows = x_stored.to(at::kFloat);
   Tensor y = at::empty({rows, out}, x.options().dtype(at::kFloat));
   fsd::cpu::SkinnyGemm problem;
   problem.x = x_rows.data_ptr<float>();
   problem.x_stride = in;
+  if (dtype == at::kBFloat16) problem.x_bf16 = reinterpret_cast<const uint16_t*>(x_stored.data_ptr());
   problem.w = weight.data_ptr();
   problem.w_stride = weight.stride(0);
   problem.w_dtype = dtype == at::kBFloat16 ? fsd::DType::BFloat16 : fsd::DType::Float32;
@@ -163,6 +165,9 @@ TORCH_LIBRARY(fsd_ext, m) {
       "philox_uniforms(Tensor seed, Tensor offset, bool seed_per_row, int rows, int positions, "
       "int purpose) -> Tensor");
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  // Whether skinny_linear's bfloat16 products take the AVX512-BF16 path on this CPU (no tensors:
+  // one kernel for every backend).
+  m.def("skinny_linear_bf16_dot() -> bool", [] { return fsd::cpu::bf16_dot_available(); });
 }
 
 TORCH_LIBRARY_IMPL(fsd_ext, CPU, m) {

@@ -4,7 +4,10 @@
 // from memory once and multiplied with every row of x while it is in registers, so the product
 // costs about what reading W costs, whatever the number of rows (up to kSkinnyMaxRows).
 // W may be float32 or bfloat16 (widened to float32 in registers: half the bytes to stream); x, the
-// bias and y are float32 and the sums are float32 either way.
+// bias and y are float32 and the sums are float32 either way. With bfloat16 W and x given as
+// bfloat16 too (`x_bf16`), a CPU with AVX512-BF16 multiplies the pairs with its bfloat16 dot-product
+// instruction (exact products, float32 sums) instead of widening W: a fraction of the work, so the
+// product runs at memory speed.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +22,9 @@ constexpr int64_t kSkinnyMaxRows = 16;
 struct SkinnyGemm {
   const float* x = nullptr;  // [rows, in]: row r at x + r * x_stride, elements contiguous
   int64_t x_stride = 0;
+  // Optional: the same values as bfloat16 bit patterns (they must be exact), row r at
+  // x_bf16 + r * x_stride. Used with bfloat16 W where the CPU has AVX512-BF16 (see bf16_dot_available).
+  const uint16_t* x_bf16 = nullptr;
   const void* w = nullptr;  // [out, in] of w_dtype: row o at w + o * w_stride, elements contiguous
   int64_t w_stride = 0;
   DType w_dtype = DType::Float32;  // Float32 or BFloat16
@@ -27,6 +33,9 @@ struct SkinnyGemm {
   int64_t y_stride = 0;
   int64_t rows = 0, in = 0, out = 0;  // rows in [1, kSkinnyMaxRows]
 };
+
+// Whether this CPU runs the AVX512-BF16 path (x86-64 builds with GCC; checked once).
+bool bf16_dot_available();
 
 // Parallel over blocks of output features (each thread streams its own part of W).
 void skinny_gemm(const SkinnyGemm& problem, const ParallelFor& parallel_for = serial_for);
