@@ -9,10 +9,10 @@ call (for HF: new tokens / target forwards, counted with a hook). transformers r
 assistant tokens from the assistant's generation_config, so that is where K is set (hf_assisted);
 hf_assisted_default keeps HF's own choice (K=20 with a confidence-based early stop in 5.x).
 On the CPU fsd_ext.generate computes the models' few-row linears with its own kernel where that
-pays off (fsd_ext.cpu_linear.skinny_pays_off: not where torch's BLAS is MKL on an Intel CPU);
-hf_assisted+skinny runs HF's assisted generation on models patched with the same kernel, so there
-hf_assisted -> hf_assisted+skinny is what the kernel gains and hf_assisted+skinny -> sd what the
-loop gains (on an Intel CPU with MKL, hf_assisted -> sd).
+pays off (fsd_ext.cpu_linear.skinny_pays_off: not for float32 where torch's BLAS is MKL on an
+Intel CPU); hf_assisted+skinny runs HF's assisted generation on models patched with the same
+kernel, so there hf_assisted -> hf_assisted+skinny is what the kernel gains and
+hf_assisted+skinny -> sd what the loop gains (float32 on an Intel CPU with MKL: hf_assisted -> sd).
 
     python benchmarks/bench_decode.py --quick                   # offline Qwen2.5-Coder 1.5B / 0.5B
     python benchmarks/bench_decode.py --target T --draft D --max-new-tokens 64 --repeats 5
@@ -108,7 +108,8 @@ def main(argv=None):
                              "config runs HF on models patched with our CPU linear kernel")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                        help="model dtype (default: float32 on the CPU, bfloat16 on a GPU)")
+                        help="model dtype (default: fsd_ext.models.default_dtype: bfloat16 on a GPU "
+                             "or a CPU with AVX512-BF16, else float32)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 can win on a busy machine)")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "bench_decode.json"))
@@ -119,7 +120,7 @@ def main(argv=None):
         args.num_prompts, args.max_new_tokens, args.repeats = 2, 32, 3
 
     if args.dtype is None:
-        args.dtype = "float32" if args.device == "cpu" else "bfloat16"
+        args.dtype = str(models.default_dtype(args.device)).removeprefix("torch.")
     dtype = getattr(torch, args.dtype)
     target, tokenizer = models.load(args.target, dtype=dtype, device=args.device)
     draft, draft_tokenizer = models.load(args.draft, dtype=dtype, device=args.device)

@@ -25,7 +25,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def _dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+        from .models import default_dtype
+        return default_dtype(device)
     return DTYPES[name]
 
 
@@ -71,7 +72,8 @@ def _add_sampling_args(parser, temperature: float):
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES])
+    parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                        help="auto: bfloat16 on a GPU or a CPU with AVX512-BF16, else float32")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-chat", dest="chat", action="store_false",
                         help="feed the prompt as is (default: the tokenizer's chat template)")

@@ -856,7 +856,7 @@ def add_arguments(parser: argparse.ArgumentParser):
     model.add_argument("--target", default=DEFAULT_TARGET,
                        help=f"target model: one of {', '.join(names())}, a folder, a .gguf file or a hub id")
     model.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model")
-    model.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (None: float32 on CPU, bfloat16 on GPU)")
+    model.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (None: fsd_ext.models.default_dtype)")
     model.add_argument("--device", default=None, help="cpu | cuda (None: cuda if available)")
     model.add_argument("--no-cuda-graphs", action="store_true", help="pass use_cuda_graphs=False")
 
@@ -997,7 +997,11 @@ def run_from_args(args, backend: Optional[Backend] = None) -> List[Dict[str, Any
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    if not args.dtype:
+        from .models import default_dtype
+        dtype = str(default_dtype(device)).removeprefix("torch.")
+    else:
+        dtype = args.dtype
     configs = configs_from_args(args)
     problems = problems_from_args(args)
     task_ids = [p["task_id"] for p in problems]

@@ -43,7 +43,6 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from . import cpu_linear, cuda_graphs, ops, reference
-from .cpu_linear import skinny_cpu_linears as skinny_linears_during
 from .kv_cache import StaticKVCache
 from .types import DIVERGENCES, PURPOSE_ACCEPT, RULES
 
@@ -585,7 +584,7 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
             each step's coins and needs p(d), q(d), a log-softmax per drafted row and a sort under
             top-p; timed apart in stats.diagnostics_seconds, not in stats.seconds).
         skinny_cpu_linears: "auto" (on for CPU where it pays off: fsd_ext.cpu_linear.skinny_pays_off,
-            not with torch's MKL on an Intel CPU), True or False: compute the models' few-row float32
+            not for float32 with torch's MKL on an Intel CPU), True or False: compute the models' few-row float32
             and bfloat16 linears with fsd_ext's kernel during this call (fsd_ext.cpu_linear; same
             math, other float rounding than stock F.linear); the models are restored on return.
 
@@ -611,9 +610,10 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         pad_token_id = getattr(target.generation_config, "pad_token_id", None)
         pad_token_id = pad_token_id if pad_token_id is not None else (
             settings.eos_ids[0] if settings.eos_ids else 0)
-    fast_linears = (device.type == "cpu" and cpu_linear.skinny_pays_off() if skinny_cpu_linears == "auto"
+    dtype = next(target.parameters()).dtype
+    fast_linears = (device.type == "cpu" and cpu_linear.skinny_pays_off(dtype) if skinny_cpu_linears == "auto"
                     else bool(skinny_cpu_linears))
-    with skinny_linears_during(target, draft if settings.speculative else None, enabled=fast_linears):
+    with cpu_linear.skinny_cpu_linears(target, draft if settings.speculative else None, enabled=fast_linears):
         batch, prompt_len = input_ids.shape
         seeds = _row_seeds(seed, batch).to(device)  # [B]
         if isinstance(threshold, torch.Tensor):

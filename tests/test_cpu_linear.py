@@ -68,9 +68,47 @@ def test_kernel_bfloat16_matches_float32_product_rounded(rows, bias):
     # One bfloat16 rounding (relative 2^-8) plus float32 summation error.
     torch.testing.assert_close(out.double(), exact, rtol=2 ** -8, atol=1e-3)
     torch.testing.assert_close(out, F.linear(x, weight, b), rtol=2 ** -7, atol=2e-2)
-    # Through the Python entry point too: the kernel from 2 rows on (one bfloat16 row: F.linear).
-    expected_entry = out if rows > 1 else F.linear(x, weight, b)
+    # Through the Python entry point too: the kernel from 2 rows on, and for one row where it has
+    # AVX512-BF16 (else one bfloat16 row goes to F.linear).
+    expected_entry = out if rows > 1 or cpu_linear.bf16_dot_available() else F.linear(x, weight, b)
     torch.testing.assert_close(skinny_linear(x, weight, b), expected_entry, rtol=0, atol=0)
+
+
+def _cpu_flags() -> set:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
+
+
+@needs_ext
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or os.uname().machine != "x86_64",
+                    reason="reads the x86 CPU flags of Linux")
+def test_bf16_dot_path_follows_the_cpu_flags():
+    """The AVX512-BF16 path is taken exactly where the CPU has the instruction (the extension is
+    built with GCC here; the kernel's own checks of that path are in test_core)."""
+    assert cpu_linear.bf16_dot_available() == ("avx512_bf16" in _cpu_flags())
+
+
+@pytest.mark.parametrize("dot", [True, False])
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD"])
+def test_skinny_pays_off_for_bfloat16_with_the_dot_path(monkeypatch, dot, vendor):
+    monkeypatch.setattr(cpu_linear, "bf16_dot_available", lambda: dot)
+    monkeypatch.setattr(cpu_linear, "cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: True)
+    cpu_linear.skinny_pays_off.cache_clear()
+    try:
+        assert cpu_linear.skinny_pays_off(torch.bfloat16) is (dot or vendor != "GenuineIntel")
+        assert cpu_linear.skinny_pays_off(torch.float32) is (vendor != "GenuineIntel")
+    finally:
+        cpu_linear.skinny_pays_off.cache_clear()
+
+
+@pytest.mark.parametrize("dot", [True, False])
+def test_default_dtype(monkeypatch, dot):
+    from fsd_ext import models
+    monkeypatch.setattr(cpu_linear, "bf16_dot_available", lambda: dot)
+    assert models.default_dtype("cuda") == torch.bfloat16
+    assert models.default_dtype("cuda:1") == torch.bfloat16
+    assert models.default_dtype("cpu") == (torch.bfloat16 if dot else torch.float32)
 
 
 @needs_ext

@@ -941,7 +941,7 @@ def test_cli_parser():
                                                          (True, False, True), (False, True, False)])
 def test_skinny_cpu_linears_only_during_the_call(target, draft, monkeypatch, setting, pays_off, expect_fast):
     from fsd_ext import cpu_linear
-    monkeypatch.setattr(cpu_linear, "skinny_pays_off", lambda: pays_off)
+    monkeypatch.setattr(cpu_linear, "skinny_pays_off", lambda dtype: pays_off)
     calls = []
     real = cpu_linear.skinny_linear
     monkeypatch.setattr(cpu_linear, "skinny_linear", lambda *a: calls.append(1) or real(*a))
