@@ -721,8 +721,8 @@ float divergence(Divergence kind, const T* zt, int64_t vt, const Dist& p, const 
 // runs past the end). Vectorised block sums first, then one block element by element. (Weights
 // computed on the fly, kept_exp's: the block sums run in a SIMD clone whose FMA-contracted
 // exponential differs from this baseline code's in the last bit for about 1% of arguments, a
-// rounding-level difference inside the one block scanned; stored weights have none. Cloning this function too would risk the GCC 13.2-14.2 crash of Dist::log_prob_float's
-// note, which GCC 12 here cannot check.)
+// rounding-level difference inside the one block scanned; stored weights have none. Cloning this
+// function too would risk the GCC 13.2-14.2 crash of Dist::log_prob_float's note.)
 template <typename Weights>
 int64_t inverse_cdf(int64_t n, const Weights& weight, double total, double u) {
   constexpr int64_t kBlock = 256;
