@@ -128,7 +128,8 @@ def cmd_demo(args) -> int:
     base = next((r[1] for r in rows if r[0] == "ar"), None)
     print(f"\n{args.target} <- {args.draft}, K={args.num_draft_tokens}, T={args.threshold} "
           f"({args.divergence}), temperature={args.temperature}, {len(prompts)} prompts x "
-          f"{args.max_new_tokens} tokens, {args.device} {torch.get_num_threads()} threads")
+          f"{args.max_new_tokens} tokens, {args.device} {str(next(target.parameters()).dtype)[6:]}, "
+          f"{torch.get_num_threads()} threads")
     print(f"{'rule':<10} {'tokens/s':>9} {'tokens/call':>12} {'accepted/call':>14} {'speed-up':>9}")
     for rule, tps, per_call, acc in rows:
         speedup = f"{tps / base:.2f}x" if base else "-"

@@ -584,9 +584,10 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
             each step's coins and needs p(d), q(d), a log-softmax per drafted row and a sort under
             top-p; timed apart in stats.diagnostics_seconds, not in stats.seconds).
         skinny_cpu_linears: "auto" (on for CPU where it pays off: fsd_ext.cpu_linear.skinny_pays_off,
-            not for float32 with torch's MKL on an Intel CPU), True or False: compute the models' few-row float32
-            and bfloat16 linears with fsd_ext's kernel during this call (fsd_ext.cpu_linear; same
-            math, other float rounding than stock F.linear); the models are restored on return.
+            not for float32 with torch's MKL on an Intel CPU), True or False: compute the models'
+            few-row float32 and bfloat16 linears with fsd_ext's kernel during this call
+            (fsd_ext.cpu_linear; same math, other float rounding than stock F.linear); the models
+            are restored on return.
 
     Returns:
         GenerateOutput(sequences [B, P + N] int64, stats GenerateStats).

@@ -937,6 +937,21 @@ def test_cli_parser():
         cli.main(["generate", "--target", "t", "--prompt", "hi"])  # sd/fsd need --draft
 
 
+def test_demo_prints_every_rule_with_the_models_dtype(target, draft, monkeypatch, capsys):
+    """`fsd-ext demo`'s table (the README's main job), on the tiny models: a row per rule, and the
+    dtype the models run in (bfloat16 on some CPUs by default since the AVX512-BF16 kernel)."""
+    import re
+
+    from fsd_ext import cli
+    monkeypatch.setattr(cli, "_load_pair", lambda args, need_draft: (target, draft, None))
+    monkeypatch.setattr(cli, "_encode", lambda tokenizer, prompt, chat, device: random_prompts([5], seed=3)[0])
+    assert cli.main(["demo", "--num-prompts", "2", "--max-new-tokens", "6", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "2 prompts x 6 tokens, cpu float32, " in out
+    for rule in ("ar", "sd", "fsd"):
+        assert re.search(rf"^{rule} +\d+\.\d+ +\d+\.\d+ +\d+\.\d+ +\d+\.\d+x$", out, re.M), out
+
+
 @pytest.mark.parametrize("setting,pays_off,expect_fast", [("auto", True, True), ("auto", False, False),
                                                          (True, False, True), (False, True, False)])
 def test_skinny_cpu_linears_only_during_the_call(target, draft, monkeypatch, setting, pays_off, expect_fast):
