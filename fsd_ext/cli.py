@@ -126,9 +126,10 @@ def cmd_demo(args) -> int:
                 print(f"--- {rule}, prompt 0 ---\n{text}\n", flush=True)
         rows.append((rule, tokens / seconds, tokens / verifications, accepted / verifications))
     base = next((r[1] for r in rows if r[0] == "ar"), None)
+    dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
     print(f"\n{args.target} <- {args.draft}, K={args.num_draft_tokens}, T={args.threshold} "
           f"({args.divergence}), temperature={args.temperature}, {len(prompts)} prompts x "
-          f"{args.max_new_tokens} tokens, {args.device} {str(next(target.parameters()).dtype)[6:]}, "
+          f"{args.max_new_tokens} tokens, {args.device} {dtype}, "
           f"{torch.get_num_threads()} threads")
     print(f"{'rule':<10} {'tokens/s':>9} {'tokens/call':>12} {'accepted/call':>14} {'speed-up':>9}")
     for rule, tps, per_call, acc in rows:

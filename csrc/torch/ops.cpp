@@ -102,7 +102,7 @@ Tensor philox_uniforms_cpu(const Tensor& seed, const Tensor& offset, bool seed_p
 // x [..., in] @ weight[out, in]^T + bias for at most kSkinnyMaxRows rows of x, all float32 or all
 // bfloat16 (as F.linear: the result has x's dtype; bfloat16 sums in float32, rounded once). The
 // weight is read in place (rows of W must be contiguous); x and the bias are small and are made
-// contiguous float32 copies.
+// contiguous float32 copies (x stays bfloat16 for the AVX512-BF16 path).
 Tensor skinny_linear_cpu(const Tensor& x, const Tensor& weight, const OptTensor& bias) {
   const auto dtype = weight.scalar_type();
   TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype,
@@ -125,10 +125,12 @@ Tensor skinny_linear_cpu(const Tensor& x, const Tensor& weight, const OptTensor&
     bias_f = bias->to(at::kFloat).contiguous();
   }
   const Tensor x_stored = x.reshape({rows, in}).contiguous();
-  const Tensor x_rows = x_stored.to(at::kFloat);
+  // The AVX512-BF16 path reads x as stored; every other path needs it as float32.
+  const bool bf16_dot = dtype == at::kBFloat16 && fsd::cpu::bf16_dot_available();
+  const Tensor x_rows = bf16_dot ? Tensor() : x_stored.to(at::kFloat);
   Tensor y = at::empty({rows, out}, x.options().dtype(at::kFloat));
   fsd::cpu::SkinnyGemm problem;
-  problem.x = x_rows.data_ptr<float>();
+  problem.x = bf16_dot ? nullptr : x_rows.data_ptr<float>();
   problem.x_stride = in;
   if (dtype == at::kBFloat16) problem.x_bf16 = reinterpret_cast<const uint16_t*>(x_stored.data_ptr());
   problem.w = weight.data_ptr();

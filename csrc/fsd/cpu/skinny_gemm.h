@@ -20,7 +20,9 @@ namespace cpu {
 constexpr int64_t kSkinnyMaxRows = 16;
 
 struct SkinnyGemm {
-  const float* x = nullptr;  // [rows, in]: row r at x + r * x_stride, elements contiguous
+  // [rows, in]: row r at x + r * x_stride, elements contiguous. May be null with bfloat16 W when
+  // x_bf16 is set and bf16_dot_available(): that path reads x_bf16 alone.
+  const float* x = nullptr;
   int64_t x_stride = 0;
   // Optional: the same values as bfloat16 bit patterns (they must be exact), row r at
   // x_bf16 + r * x_stride. Used with bfloat16 W where the CPU has AVX512-BF16 (see bf16_dot_available).

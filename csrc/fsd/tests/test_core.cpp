@@ -266,7 +266,10 @@ void test_skinny_gemm() {
         for (int64_t o = 0; o < out; ++o) bias[o] = 0.25f * o;
         fsd::cpu::SkinnyGemm g;
         g.x = x.data(), g.x_stride = x_stride, g.w_stride = w_stride;
-        if (mode == Mode::BFloat16Dot) g.x_bf16 = reinterpret_cast<const uint16_t*>(x_bf16.data());
+        if (mode == Mode::BFloat16Dot) {
+          g.x_bf16 = reinterpret_cast<const uint16_t*>(x_bf16.data());
+          if (fsd::cpu::bf16_dot_available()) g.x = nullptr;  // that path reads x_bf16 alone
+        }
         const bool bf16 = mode != Mode::Float32;
         g.w = bf16 ? static_cast<const void*>(w_bf16.data()) : w.data();
         g.w_dtype = bf16 ? fsd::DType::BFloat16 : fsd::DType::Float32;
