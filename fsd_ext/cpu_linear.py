@@ -51,7 +51,11 @@ threads, median of 9 interleaved, 2026-12-02):
                    F.linear bfloat16    34.9 ms   36.3 ms   36.0 ms   42.3 ms   49.7 ms
                    kernel bfloat16      22.1 ms   23.0 ms   20.8 ms   26.7 ms   40.1 ms
 
-so `skinny_pays_off(torch.bfloat16)` is true there whatever the vendor.
+so `skinny_pays_off(torch.bfloat16)` is true there whatever the vendor. Later the same day the
+kernel's next-block prefetches were shared over its passes over x and its reductions vectorised:
+6 rows now cost about 1.1-1.2x one row (151936x1536: ~22 / ~25 ms), F.linear over the kernel at 6
+rows 1.26-1.61x -> 1.57-2.29x over the pair's shapes (`benchmarks/bench_cpu_linear.py`, results in
+benchmarks/results/cpu-linear-intel-2026-12-02).
 
 Same products, another summation order: results differ from F.linear by float rounding only
 (tests/test_cpu_linear.py). fsd_ext.generate switches it on for its own forwards on the CPU where
