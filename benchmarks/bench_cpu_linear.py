@@ -134,6 +134,7 @@ def main(argv=None):
                 bf16_dot=cpu_linear.bf16_dot_available())
     Path(args.output).write_text(json.dumps(dict(meta=meta, results=results), indent=2))
     print(f"wrote {args.output}", file=sys.stderr)
+    return results
 
 
 if __name__ == "__main__":

@@ -198,3 +198,23 @@ def test_cpu_vendor_reads_this_machine():
     assert isinstance(vendor, str)
     if os.path.exists("/proc/cpuinfo") and "vendor_id" in open("/proc/cpuinfo").read():
         assert vendor  # a Linux x86 machine names its vendor
+
+
+@needs_ext
+def test_bench_cpu_linear_runs(tmp_path):
+    """benchmarks/bench_cpu_linear.py on one small shape: a row per (shape, rows), written out."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_cpu_linear.py"
+    spec = importlib.util.spec_from_file_location("bench_cpu_linear", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    output = tmp_path / "out.json"
+    rows = bench.main(["--shapes", "0.5b/k_proj,1.5b/k_proj", "--rows", "1,3", "--repeats", "1",
+                       "--set-mb", "1", "--output", str(output)])
+    assert [(r["shape"], r["rows"]) for r in rows] == [
+        ("0.5b/k_proj", 1), ("0.5b/k_proj", 3), ("1.5b/k_proj", 1), ("1.5b/k_proj", 3)]
+    assert all(r["kernel_ms"] > 0 and r["f_linear_over_kernel"] > 0 for r in rows)
+    assert json.loads(output.read_text())["results"] == rows
