@@ -189,7 +189,8 @@ void dot_bf16_block(const SkinnyGemm& g, int64_t o, int n, int64_t row0, unsigne
 // The prefetches of the next block are shared out over the passes (pass p takes rows b with
 // b % passes == p), so that memory is busy during every pass: all of them in the first pass left
 // memory idle during the others (151936x1536, 6 rows: 37.5 -> 30.7 ms, median of 9; 4 rows or
-// fewer, one pass, unchanged). A longer distance (2 blocks) or an L2 hint (T1) measured the same.
+// fewer, one pass, unchanged). A longer distance (2 blocks) measured the same, and so did an L2
+// hint for these 12 KB blocks (larger ones take it: kL1PrefetchBytes).
 void out_range_bf16_dot(const SkinnyGemm& g, int64_t begin, int64_t end) {
   const int passes = (int)((g.rows + kRowGroup - 1) / kRowGroup);
   for (int64_t o = begin; o < end; o += kDotRows) {
