@@ -1,65 +1,31 @@
 """Faster float32 and bfloat16 `nn.Linear` on the CPU for the few-row inputs of decoding.
 
-Speculative decoding on a CPU is bound by its small matrix products: the target's verification step
-multiplies K+1 rows by every weight matrix, the draft's catch-up step 2 rows. torch's `F.linear`
-goes through a BLAS GEMM path that, for 2..16 rows, costs 2-3x the one-row product although it
-reads the same weights. `skinny_linear` calls the extension's `fsd_ext::skinny_linear` CPU kernel
-(csrc/fsd/cpu/skinny_gemm.cpp), which streams each weight row from memory once for all rows of x;
-without the compiled extension it computes (W @ x^T)^T, which lets the BLAS stream W in its stored
-layout. Measured on this project's 2-core CPU (torch 2.13, MKL, float32, 2 threads, median of 10):
+CPU decoding is bound by reading the weights: the target's verification multiplies K+1 rows by
+every weight matrix, the draft's catch-up 2 rows, an AR or draft step one. `skinny_linear` calls
+the extension's `fsd_ext::skinny_linear` kernel (csrc/fsd/cpu/skinny_gemm.cpp), which streams each
+weight row from memory once for all rows of x (at most MAX_ROWS); without the compiled extension it
+computes float32 as (W @ x^T)^T, which lets the BLAS stream W in its stored layout. Same products,
+another summation order: results differ from F.linear by float rounding only
+(tests/test_cpu_linear.py).
 
-    gate_proj 8960x1536    1 row     4 rows    6 rows
-    F.linear               2.62 ms   8.16 ms   8.62 ms
-    (W @ x^T)^T            2.56 ms   3.39 ms   4.41 ms
-    fsd_ext::skinny_linear 1.87 ms   2.45 ms   2.84 ms
+Where it pays off (`skinny_pays_off`: a fixed rule, not a timing, so that two runs round alike):
 
-bfloat16 weights and activations (float32 sums, rounded once; the kernel widens each weight block
-in cache, so it reads half the bytes but does the float32 work; median of 15, 2026-11-30):
+- bfloat16 on a CPU with AVX512-BF16 (`bf16_dot_available()`; Intel Cooper Lake and later, AMD
+  Zen 4 and later): the kernel multiplies with the CPU's bfloat16 dot product straight from the
+  stored weights, F.linear over the kernel 1.3-2.6x at 1-6 rows on every linear shape of the
+  Qwen2.5-Coder pair (Intel Xeon, 2 threads, weights out of cache; `benchmarks/bench_cpu_linear.py`,
+  benchmarks/results/cpu-linear-intel-2026-12-02).
+- float32, unless torch's BLAS is MKL on an Intel CPU. On an AMD EPYC MKL's few-row path costs 2-3x
+  its one-row product (8960x1536, 2 threads, 1 / 4 / 6 rows: F.linear 2.62 / 8.16 / 8.62 ms, the
+  kernel 1.87 / 2.45 / 2.84 ms, 2026-11-30); on an Intel Xeon MKL takes its fast paths, and whole
+  forwards of the Qwen pair there were 21% faster with F.linear at one token and about even at six
+  (2026-12-02), so float32 stays with F.linear.
+- bfloat16 without AVX512-BF16: the kernel widens each weight block to float32 in cache (half the
+  bytes, all the float32 work) and wins from two rows (AMD EPYC, 8960x1536, 6 rows: 3.71 ms against
+  F.linear's 8.48); one row stays with F.linear.
 
-    gate_proj 8960x1536    1 row     2 rows    3 rows    4 rows    6 rows
-    F.linear (bfloat16)    1.60 ms   2.96 ms   4.55 ms   5.77 ms   8.48 ms
-    fsd_ext::skinny_linear 1.90 ms   2.43 ms   2.78 ms   2.87 ms   3.71 ms
-
-so there one bfloat16 row stays with F.linear.
-
-Those are an AMD EPYC's numbers, where torch's BLAS, MKL, takes slow paths for few-row products.
-On an Intel CPU MKL takes its fast ones, and there the kernel loses (Intel Xeon with AVX-512, torch
-2.13, float32, 2 threads, median of 11, 2026-12-02; F.linear / skinny_linear time):
-
-    shape               1 row    2 rows   6 rows
-    1536x1536           1.00x    0.76x    0.85x
-    8960x1536           0.96x    0.86x    0.97x
-    4864x896            0.94x    0.78x    0.76x
-    151936x896          0.79x    0.75x    1.00x
-
-and whole forwards of the Qwen2.5-Coder pair (float32, median of 7, alternating) took, F.linear
-against the kernel: target 1 token 276 / 349 ms, 6 tokens 571 / 549 ms; draft 1 token 106 / 115
-ms, 2 tokens 115 / 125 ms: 21% faster autoregressive decoding and one SD step (K = 5) about even.
-So `skinny_pays_off()` says whether to use it: not where torch's BLAS is MKL on an Intel CPU.
-
-A CPU with AVX512-BF16 (Intel Cooper Lake and later, AMD Zen 4 and later) multiplies bfloat16
-weights and activations with its dot-product instruction instead of widening them
-(`bf16_dot_available()`), straight from the stored weights, and there the kernel beats F.linear's
-bfloat16 and float32 paths at every row count (the same Intel Xeon, torch 2.13 with MKL, 2
-threads, median of 9 interleaved, 2026-12-02):
-
-    shape          path                 1 row     2 rows    3 rows    4 rows    6 rows
-    8960x1536      F.linear float32     2.51 ms   2.07 ms   2.62 ms   3.72 ms   3.90 ms
-                   F.linear bfloat16    1.35 ms   1.73 ms   1.80 ms   2.39 ms   2.98 ms
-                   kernel bfloat16      0.71 ms   0.89 ms   1.04 ms   1.30 ms   2.03 ms
-    151936x1536    F.linear float32     39.9 ms   40.6 ms   38.0 ms   84.3 ms   95.7 ms
-                   F.linear bfloat16    34.9 ms   36.3 ms   36.0 ms   42.3 ms   49.7 ms
-                   kernel bfloat16      22.1 ms   23.0 ms   20.8 ms   26.7 ms   40.1 ms
-
-so `skinny_pays_off(torch.bfloat16)` is true there whatever the vendor. Later the same day the
-kernel's next-block prefetches were shared over its passes over x and its reductions vectorised:
-6 rows now cost about 1.1-1.2x one row (151936x1536: ~22 / ~25 ms), F.linear over the kernel at 6
-rows 1.26-1.61x -> 1.57-2.29x over the pair's shapes (`benchmarks/bench_cpu_linear.py`, results in
-benchmarks/results/cpu-linear-intel-2026-12-02).
-
-Same products, another summation order: results differ from F.linear by float rounding only
-(tests/test_cpu_linear.py). fsd_ext.generate switches it on for its own forwards on the CPU where
-it pays off (`skinny_cpu_linears="auto"`) and restores the models' modules when it returns;
+fsd_ext.generate switches it on for its own forwards on the CPU where it pays off
+(`skinny_cpu_linears="auto"`) and restores the models' modules when it returns;
 `use_skinny_cpu_linears(model)` switches it on for good (e.g. for other decoding loops).
 """
 
