@@ -5,9 +5,9 @@ multiplies (1: a draft or AR step, 2: the draft's catch-up, K + 1: the target's 
 Decoding reads each weight matrix once per forward from memory, not from cache, so each shape runs
 on a set of distinct copies larger than the CPU's last-level cache (--set-mb), cycled through; the
 table reports milliseconds per product, the weight bytes read per second, that as a share of the
-read bandwidth measured in the same run (a float32 sum over --set-mb, with the same threads), and F.linear's time over the kernel's. Every (shape, rows, path)
-runs --repeats times, interleaved, so that a change of the machine's load hits them alike; the
-median is reported.
+read bandwidth measured in the same run (a float32 sum over --set-mb, with the same threads), and
+F.linear's time over the kernel's. Every (shape, rows, path) runs --repeats times, interleaved, so
+that a change of the machine's load hits them alike; the median is reported.
 
     python benchmarks/bench_cpu_linear.py                  # both models' shapes, bfloat16
     python benchmarks/bench_cpu_linear.py --shapes 0.5b --dtype float32 --rows 1,2 --threads 2
@@ -86,6 +86,10 @@ def main(argv=None):
     native = cpu_linear._native_op()
     if native is None:
         sys.exit("the fsd_ext extension is not built: nothing to measure")
+    names = [name for wanted in args.shapes.split(",") for name in SHAPES
+             if name == wanted or name.startswith(wanted + "/")]
+    if not names:
+        parser.error(f"--shapes {args.shapes!r} names none of {', '.join(SHAPES)}")
     dtype = getattr(torch, args.dtype)
     rows_list = [int(r) for r in args.rows.split(",")]
     paths = {"kernel": lambda x, w: native(x, w, None), "F.linear": lambda x, w: F.linear(x, w)}
@@ -93,8 +97,6 @@ def main(argv=None):
     bandwidth = read_bandwidth(args.set_mb, args.repeats)
     results = []
     torch.manual_seed(0)
-    names = [name for wanted in args.shapes.split(",") for name in SHAPES
-             if name == wanted or name.startswith(wanted + "/")]
     for name in names:
         out, inp = SHAPES[name]
         weights = weight_set(out, inp, dtype, args.set_mb)

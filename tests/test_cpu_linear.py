@@ -218,3 +218,5 @@ def test_bench_cpu_linear_runs(tmp_path):
         ("0.5b/k_proj", 1), ("0.5b/k_proj", 3), ("1.5b/k_proj", 1), ("1.5b/k_proj", 3)]
     assert all(r["kernel_ms"] > 0 and r["f_linear_over_kernel"] > 0 for r in rows)
     assert json.loads(output.read_text())["results"] == rows
+    with pytest.raises(SystemExit):  # a misspelt shape is an error, not an empty table
+        bench.main(["--shapes", "0.5b/kproj", "--output", str(output)])

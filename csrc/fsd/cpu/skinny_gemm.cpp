@@ -98,6 +98,12 @@ constexpr int64_t kL1PrefetchBytes = 16 << 10;
 // slower, so smaller blocks keep whole rows).
 constexpr int64_t kDotColumnChunk = 1024;  // a multiple of 32: only the last chunk has a tail
 
+// A block of kDotRows weight rows too large for L1 prefetches (and, with several passes, column
+// chunks): the down projections' 39-70 KB blocks, not the lm_head's 12 KB ones.
+FSD_ALWAYS_INLINE bool is_large_block(const SkinnyGemm& g) {
+  return kDotRows * g.in * int64_t(sizeof(uint16_t)) > kL1PrefetchBytes;
+}
+
 // 32 bfloat16 values at p: all of them (`full`), or those in `mask` and 0 elsewhere (they add 0 * 0;
 // a masked load, which costs an ALU operation more, only for the in % 32 tail).
 FSD_ALWAYS_INLINE __m512bh load_bf16(const uint16_t* p, __mmask32 mask, bool full) {
@@ -148,7 +154,7 @@ void dot_bf16_block(const SkinnyGemm& g, int64_t o, int n, int64_t row0, unsigne
   FSD_UNROLL
   for (int r = 0; r < R; ++r) x_row[r] = g.x_bf16 + (row0 + r) * g.x_stride;
   const int64_t next_block = kDotRows * g.w_stride;  // the next block's row b: w_row[b] + next_block
-  const bool prefetch_to_l2 = kDotRows * g.in * int64_t(sizeof(uint16_t)) > kL1PrefetchBytes;
+  const bool prefetch_to_l2 = is_large_block(g);
   __m512 acc[kDotRows][R];
   FSD_UNROLL
   for (int b = 0; b < kDotRows; ++b)
@@ -209,8 +215,7 @@ void dot_bf16_block(const SkinnyGemm& g, int64_t o, int n, int64_t row0, unsigne
 // hint for these 12 KB blocks (larger ones take it: kL1PrefetchBytes).
 void out_range_bf16_dot(const SkinnyGemm& g, int64_t begin, int64_t end) {
   const int passes = (int)((g.rows + kRowGroup - 1) / kRowGroup);
-  const bool large_block = kDotRows * g.in * int64_t(sizeof(uint16_t)) > kL1PrefetchBytes;
-  const int64_t chunk = passes > 1 && large_block ? kDotColumnChunk : g.in;
+  const int64_t chunk = passes > 1 && is_large_block(g) ? kDotColumnChunk : g.in;
   alignas(64) __m512 saved[kSkinnyMaxRows / kRowGroup][kDotRows * kRowGroup];  // per pass
   for (int64_t o = begin; o < end; o += kDotRows) {
     const int n = (int)std::min<int64_t>(kDotRows, end - o);

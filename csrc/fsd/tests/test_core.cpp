@@ -249,7 +249,7 @@ void test_skinny_gemm() {
   };
   enum class Mode { Float32, BFloat16, BFloat16Dot };
   for (const Mode mode : {Mode::Float32, Mode::BFloat16, Mode::BFloat16Dot}) {
-  for (int64_t in : {1, 8, 13, 40, 77, 2085}) {  // 2085: blocks prefetched into L2
+  for (int64_t in : {1, 8, 13, 40, 77, 2085}) {  // 2085: large blocks (L2 prefetch; 3 column chunks at 5+ rows)
     for (int64_t out : {1, 2, 7, 131, 200}) {
       for (int64_t rows = 1; rows <= fsd::cpu::kSkinnyMaxRows; ++rows) {
         const int64_t x_stride = in + 3, w_stride = in + 1, y_stride = out + 2;
