@@ -114,8 +114,9 @@ def test_default_dtype(monkeypatch, dot):
 @needs_ext
 @pytest.mark.parametrize("x,weight,bias,match", [
     (torch.randn(2, 8).double(), torch.randn(4, 8), None, "float32"),
-    (torch.randn(2, 8), torch.randn(4, 8).bfloat16(), None, "float32 or both bfloat16"),
-    (torch.randn(2, 8).half(), torch.randn(4, 8).half(), None, "float32 or both bfloat16"),
+    (torch.randn(2, 8).bfloat16(), torch.randn(4, 8), None, "both bfloat16, or float32 and bfloat16"),
+    (torch.randn(2, 8).half(), torch.randn(4, 8).half(), None, "both bfloat16, or float32 and bfloat16"),
+    (torch.randn(2, 8), torch.randn(4, 8).bfloat16(), torch.randn(4).bfloat16(), "bias must be"),
     (torch.randn(2, 8).bfloat16(), torch.randn(4, 8).bfloat16(), torch.randn(4), "bias must be"),
     (torch.randn(2, 8), torch.randn(8, 4).t(), None, "contiguous rows"),
     (torch.randn(2, 7), torch.randn(4, 8), None, "match weight"),
@@ -220,3 +221,125 @@ def test_bench_cpu_linear_runs(tmp_path):
     assert json.loads(output.read_text())["results"] == rows
     with pytest.raises(SystemExit):  # a misspelt shape is an error, not an empty table
         bench.main(["--shapes", "0.5b/kproj", "--output", str(output)])
+
+
+# ----------------------------------------------------------------------------------------------
+# bfloat16 weights with float32 activations (Bfloat16WeightLinear).
+
+def _bf16_weight_case(rows, out, inp, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out, inp, generator=gen).bfloat16()
+    bias = torch.randn(out, generator=gen)
+    x = torch.randn(rows, inp, generator=gen)
+    # float64 products of the stored values: what float32 sums approximate
+    exact = (x.double() @ weight.double().t() + bias.double()).float()
+    return x, weight, bias, exact
+
+
+@needs_ext
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, MAX_ROWS])
+@pytest.mark.parametrize("inp", [1536, 77])
+def test_kernel_float32_x_bfloat16_weight(rows, inp):
+    """float32 x and bias with a bfloat16 weight: float32 sums of the exact products, float32 out."""
+    x, weight, bias, exact = _bf16_weight_case(rows, 131, inp)
+    y = torch.ops.fsd_ext.skinny_linear(x, weight, bias)
+    assert y.dtype == torch.float32 and y.shape == (rows, 131)
+    torch.testing.assert_close(y, exact, rtol=1e-4, atol=1e-3)
+    # negative control: float32 x rounded to bfloat16 first (what a bfloat16 model computes) is
+    # measurably further off, so the check above would catch x being rounded
+    rounded = (x.bfloat16().double() @ weight.double().t() + bias.double()).float()
+    assert (rounded - exact).abs().max() > 10 * (y - exact).abs().max()
+
+
+@pytest.mark.parametrize("rows", [MAX_ROWS + 1, 40])
+def test_widening_linear_for_prompt_rows(monkeypatch, rows):
+    """Prompt-sized inputs: F.linear with the weight widened block by block (blocks of 3 rows
+    here, so 131 rows end in a partial block)."""
+    monkeypatch.setattr(cpu_linear, "_WIDENED_BLOCK_BYTES", 3 * 4 * 64)
+    x, weight, bias, exact = _bf16_weight_case(rows, 131, 64)
+    with torch.no_grad():
+        y = skinny_linear(x.reshape(2, rows // 2, 64) if rows % 2 == 0 else x, weight, bias)
+    torch.testing.assert_close(y.reshape(rows, 131), exact, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        assert skinny_linear(x, weight).is_contiguous()
+
+
+def test_bfloat16_weights_without_the_kernel(monkeypatch):
+    """No compiled kernel, or autograd: F.linear on the widened weight."""
+    monkeypatch.setattr(cpu_linear, "_native_op", lambda: None)
+    x, weight, bias, exact = _bf16_weight_case(3, 20, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(skinny_linear(x, weight, bias), exact, rtol=1e-4, atol=1e-4)
+    x.requires_grad_(True)
+    skinny_linear(x, weight, bias).sum().backward()
+    torch.testing.assert_close(x.grad, weight.float().sum(0).expand(3, 24))
+
+
+def _model_with_rounded_weights(model):
+    """A float32 copy of `model` whose linear weights hold their bfloat16 roundings (each its own
+    tensor: a weight tied to the embedding is untied, the embedding keeps its values)."""
+    import copy
+    rounded = copy.deepcopy(model)
+    for module in rounded.modules():
+        if type(module) is torch.nn.Linear:
+            module.weight = torch.nn.Parameter(module.weight.detach().bfloat16().float())
+    return rounded
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_store_linear_weights_bfloat16(tied):
+    """Every nn.Linear weight becomes bfloat16 and the rest stays float32; the logits are those of
+    the float32 model with its linear weights rounded (up to float32 summation order), and a
+    weight tied to the embedding is untied, the embedding keeping its float32 values."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      tie_word_embeddings=tied)
+    model = transformers.LlamaForCausalLM(config).eval()
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) is tied
+    embedding_before = model.model.embed_tokens.weight.detach().clone()
+    reference = _model_with_rounded_weights(model)
+    linears = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert cpu_linear.store_linear_weights_bfloat16(model) == linears == 2 * 7 + 1
+    assert cpu_linear.store_linear_weights_bfloat16(model) == 0  # nothing float32 left to convert
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            assert type(module) is cpu_linear.Bfloat16WeightLinear
+            assert module.weight.dtype == torch.bfloat16 and not module.weight.requires_grad
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert torch.equal(model.model.embed_tokens.weight, embedding_before)
+    assert model.model.norm.weight.dtype == torch.float32
+    ids = torch.randint(0, 96, (2, 21))  # 42 rows: the widening GEMM; then 1-row and 6-row steps
+    with torch.no_grad():
+        for tokens in (ids, ids[:1, :1], ids[:1, :6]):
+            logits = model(tokens).logits
+            assert logits.dtype == torch.float32
+            torch.testing.assert_close(logits, reference(tokens).logits, rtol=1e-4, atol=1e-4)
+    with cpu_linear.skinny_cpu_linears(model):  # patching and restoring keeps them working
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids[:1, :3]).logits, reference(ids[:1, :3]).logits,
+                                       rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids[:1, :3]).logits, reference(ids[:1, :3]).logits,
+                                   rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device,dtype,built,pays_off,expected", [
+    ("cpu", torch.float32, True, True, torch.bfloat16), ("cpu", torch.float32, False, True, None),
+    ("cpu", torch.float32, True, False, None), ("cpu", torch.bfloat16, True, True, None),
+    ("cuda", torch.float32, True, True, None)])
+def test_default_linear_weights(monkeypatch, device, dtype, built, pays_off, expected):
+    from fsd_ext import models
+    monkeypatch.setattr(cpu_linear, "_native_op", lambda: (lambda *a: None) if built else None)
+    monkeypatch.setattr(cpu_linear, "skinny_pays_off", lambda dtype: pays_off)
+    assert models.default_linear_weights(device, dtype) == expected
+
+
+@pytest.mark.parametrize("dtype,device,weights", [
+    (torch.float32, "cuda", torch.bfloat16), (torch.float16, "cpu", torch.bfloat16),
+    (torch.bfloat16, "cpu", torch.float32)])
+def test_load_rejects_other_linear_weight_combinations(dtype, device, weights):
+    from fsd_ext import models
+    with pytest.raises(ValueError, match="linear_weights must be"):
+        models.load("no-such-model", dtype=dtype, device=device, linear_weights=weights)

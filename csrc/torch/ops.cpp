@@ -99,15 +99,16 @@ Tensor philox_uniforms_cpu(const Tensor& seed, const Tensor& offset, bool seed_p
   return out;
 }
 
-// x [..., in] @ weight[out, in]^T + bias for at most kSkinnyMaxRows rows of x, all float32 or all
-// bfloat16 (as F.linear: the result has x's dtype; bfloat16 sums in float32, rounded once). The
-// weight is read in place (rows of W must be contiguous); x and the bias are small and are made
-// contiguous float32 copies (x stays bfloat16 for the AVX512-BF16 path).
+// x [..., in] @ weight[out, in]^T + bias for at most kSkinnyMaxRows rows of x, all float32, all
+// bfloat16, or float32 x and bias with a bfloat16 weight (cpu_linear.Bfloat16WeightLinear: half the
+// weight bytes to read, the rest float32). As F.linear: the result has x's dtype; sums in float32,
+// rounded once. The weight is read in place (rows of W must be contiguous); x and the bias are
+// small and are made contiguous float32 copies (x stays bfloat16 for the AVX512-BF16 path).
 Tensor skinny_linear_cpu(const Tensor& x, const Tensor& weight, const OptTensor& bias) {
-  const auto dtype = weight.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype,
-              "skinny_linear: x and weight must both be float32 or both bfloat16, got ", x.scalar_type(),
-              " and ", dtype);
+  const auto dtype = x.scalar_type(), w_dtype = weight.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && (w_dtype == dtype || w_dtype == at::kBFloat16),
+              "skinny_linear: x and weight must be both float32, both bfloat16, or float32 and bfloat16, got ",
+              dtype, " and ", w_dtype);
   TORCH_CHECK(weight.dim() == 2 && weight.stride(1) == 1 && weight.size(0) >= 1,
               "skinny_linear: weight must be [out, in] with contiguous rows, got sizes ",
               weight.sizes(), " strides ", weight.strides());
@@ -120,12 +121,12 @@ Tensor skinny_linear_cpu(const Tensor& x, const Tensor& weight, const OptTensor&
   Tensor bias_f;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == out,
-                "skinny_linear: bias must be a ", dtype, " [", out, "], got ", bias->scalar_type(), " ",
+                "skinny_linear: bias must be a ", dtype, " [", out, "] (x's dtype), got ", bias->scalar_type(), " ",
                 bias->sizes());
     bias_f = bias->to(at::kFloat).contiguous();
   }
   const Tensor x_stored = x.reshape({rows, in}).contiguous();
-  // The AVX512-BF16 path reads x as stored; every other path needs it as float32.
+  // The AVX512-BF16 path reads bfloat16 x as stored; every other path needs it as float32.
   const bool bf16_dot = dtype == at::kBFloat16 && fsd::cpu::bf16_dot_available();
   const Tensor x_rows = bf16_dot ? Tensor() : x_stored.to(at::kFloat);
   Tensor y = at::empty({rows, out}, x.options().dtype(at::kFloat));
@@ -135,7 +136,7 @@ Tensor skinny_linear_cpu(const Tensor& x, const Tensor& weight, const OptTensor&
   if (dtype == at::kBFloat16) problem.x_bf16 = reinterpret_cast<const uint16_t*>(x_stored.data_ptr());
   problem.w = weight.data_ptr();
   problem.w_stride = weight.stride(0);
-  problem.w_dtype = dtype == at::kBFloat16 ? fsd::DType::BFloat16 : fsd::DType::Float32;
+  problem.w_dtype = w_dtype == at::kBFloat16 ? fsd::DType::BFloat16 : fsd::DType::Float32;
   problem.bias = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   problem.y = y.data_ptr<float>();
   problem.y_stride = out;
