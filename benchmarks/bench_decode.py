@@ -13,6 +13,8 @@ pays off (fsd_ext.cpu_linear.skinny_pays_off: not for float32 where torch's BLAS
 Intel CPU); hf_assisted+skinny runs HF's assisted generation on models patched with the same
 kernel, so there hf_assisted -> hf_assisted+skinny is what the kernel gains and
 hf_assisted+skinny -> sd what the loop gains (float32 on an Intel CPU with MKL: hf_assisted -> sd).
+Float32 models on the CPU store their linear weights in bfloat16 by default (--linear-weights auto:
+fsd_ext.models.default_linear_weights); those layers run on our kernel in every config, HF's too.
 
     python benchmarks/bench_decode.py --quick                   # offline Qwen2.5-Coder 1.5B / 0.5B
     python benchmarks/bench_decode.py --target T --draft D --max-new-tokens 64 --repeats 5
@@ -37,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fsd_ext  # noqa: E402
 from fsd_ext import models  # noqa: E402
-from fsd_ext.cli import DEMO_PROMPTS, _encode  # noqa: E402
+from fsd_ext.cli import DEMO_PROMPTS, _encode, _linear_weights  # noqa: E402
 from fsd_ext.cpu_linear import skinny_cpu_linears  # noqa: E402
 from fsd_ext.generate import check_tokenizers  # noqa: E402
 
@@ -110,6 +112,10 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="model dtype (default: fsd_ext.models.default_dtype: bfloat16 on a GPU "
                              "or a CPU with AVX512-BF16, else float32)")
+    parser.add_argument("--linear-weights", choices=["auto", "same", "bfloat16"], default="auto",
+                        help="dtype of the linear layers' weights (as fsd-ext's option; auto: "
+                             "bfloat16 for float32 models on the CPU, whose linears then run on our "
+                             "kernel in the hf_ configs too)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 can win on a busy machine)")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "bench_decode.json"))
@@ -122,8 +128,12 @@ def main(argv=None):
     if args.dtype is None:
         args.dtype = str(models.default_dtype(args.device)).removeprefix("torch.")
     dtype = getattr(torch, args.dtype)
-    target, tokenizer = models.load(args.target, dtype=dtype, device=args.device)
-    draft, draft_tokenizer = models.load(args.draft, dtype=dtype, device=args.device)
+    linear_weights = _linear_weights(args.linear_weights, args.device, dtype)
+    args.linear_weights = str(linear_weights or dtype).removeprefix("torch.")
+    target, tokenizer = models.load(args.target, dtype=dtype, device=args.device,
+                                    linear_weights=linear_weights)
+    draft, draft_tokenizer = models.load(args.draft, dtype=dtype, device=args.device,
+                                         linear_weights=linear_weights)
     check_tokenizers(tokenizer, draft_tokenizer)
     prompts = [_encode(tokenizer, p, True, args.device) for p in DEMO_PROMPTS[:args.num_prompts]]
     counter = ForwardCounter(target)
@@ -172,7 +182,8 @@ def main(argv=None):
     ar = results.get("ar", {}).get("tokens_per_s")
     print(f"\n{args.target} <- {args.draft}, batch 1, greedy, K={args.num_draft_tokens}, "
           f"FSD T={args.threshold} ({args.divergence}); {len(prompts)} prompts x "
-          f"{args.max_new_tokens} tokens, median of {args.repeats}; {args.device}, "
+          f"{args.max_new_tokens} tokens, median of {args.repeats}; {args.device} {args.dtype} "
+          f"(linear weights {args.linear_weights}), "
           f"{torch.get_num_threads()} threads, {os.cpu_count()} cores")
     print(f"{'config':<12} {'tokens/s':>9} {'tokens/call':>12} {'vs AR':>7} {'vs HF assisted':>15} "
           f"{'graph captures':>15}")

@@ -30,17 +30,35 @@ def _dtype(name: str, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def _linear_weights(name: str, device: str, dtype: torch.dtype) -> Optional[torch.dtype]:
+    if name == "auto":
+        from .models import default_linear_weights
+        return default_linear_weights(device, dtype)
+    return None if name == "same" else DTYPES[name]
+
+
+def _describe_dtype(model) -> str:
+    from .cpu_linear import Bfloat16WeightLinear
+
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if any(isinstance(m, Bfloat16WeightLinear) for m in model.modules()):
+        dtype += " (bfloat16 linear weights)"
+    return dtype
+
+
 def _load_pair(args, need_draft: bool):
     from . import models
     from .generate import check_tokenizers
 
     dtype = _dtype(args.dtype, args.device)
+    loading = dict(dtype=dtype, device=args.device,
+                   linear_weights=_linear_weights(args.linear_weights, args.device, dtype))
     print(f"loading target {args.target} ...", file=sys.stderr, flush=True)
-    target, tokenizer = models.load(args.target, dtype=dtype, device=args.device)
+    target, tokenizer = models.load(args.target, **loading)
     draft = None
     if need_draft:
         print(f"loading draft {args.draft} ...", file=sys.stderr, flush=True)
-        draft, draft_tokenizer = models.load(args.draft, dtype=dtype, device=args.device)
+        draft, draft_tokenizer = models.load(args.draft, **loading)
         check_tokenizers(tokenizer, draft_tokenizer)
     return target, draft, tokenizer
 
@@ -74,6 +92,10 @@ def _add_sampling_args(parser, temperature: float):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                         help="auto: bfloat16 on a GPU or a CPU with AVX512-BF16, else float32")
+    parser.add_argument("--linear-weights", default="auto", choices=["auto", "same", "bfloat16"],
+                        help="dtype of the linear layers' weights; bfloat16 with --dtype float32 on "
+                             "the CPU keeps the rest float32. auto: that where the CPU linear kernel "
+                             "pays off in float32 (models.default_linear_weights), else same")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-chat", dest="chat", action="store_false",
                         help="feed the prompt as is (default: the tokenizer's chat template)")
@@ -126,7 +148,7 @@ def cmd_demo(args) -> int:
                 print(f"--- {rule}, prompt 0 ---\n{text}\n", flush=True)
         rows.append((rule, tokens / seconds, tokens / verifications, accepted / verifications))
     base = next((r[1] for r in rows if r[0] == "ar"), None)
-    dtype = str(next(target.parameters()).dtype).removeprefix("torch.")
+    dtype = _describe_dtype(target)
     print(f"\n{args.target} <- {args.draft}, K={args.num_draft_tokens}, T={args.threshold} "
           f"({args.divergence}), temperature={args.temperature}, {len(prompts)} prompts x "
           f"{args.max_new_tokens} tokens, {args.device} {dtype}, "

@@ -73,6 +73,20 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.float32
 
 
+def default_linear_weights(device: str, dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The linear layers' weight dtype when none is given (models.load's linear_weights): bfloat16
+    for float32 models on a CPU where fsd_ext's linear kernel beats torch's float32 BLAS
+    (cpu_linear.skinny_pays_off; not MKL on an Intel CPU, where it was not measured), since
+    decoding reads the weights at memory speed and the kernel reads half the bytes, widening them
+    to float32 in cache; None (the model's dtype) elsewhere, and without the compiled kernel."""
+    from . import cpu_linear
+
+    if (str(device) == "cpu" and dtype == torch.float32 and cpu_linear._native_op() is not None
+            and cpu_linear.skinny_pays_off(torch.float32)):
+        return torch.bfloat16
+    return None
+
+
 def _transformers_major() -> int:
     try:
         return int(importlib.metadata.version("transformers").split(".")[0])
@@ -241,13 +255,20 @@ def resolve(name_or_path: str) -> str:
 
 def load(name_or_path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
          convert: bool = True, gguf_file: Optional[str] = None,
-         attn_implementation: str = "sdpa"):
+         attn_implementation: str = "sdpa", linear_weights: Optional[torch.dtype] = None):
     """-> (model in eval mode, tokenizer) for a built-in name (BUILTIN), an HF directory or hub id,
     or a path to a .gguf file.
 
     gguf_file: load this GGUF file inside the directory `name_or_path` directly. convert=False:
     load a built-in checkpoint from its GGUF every time instead of the converted cache folder.
+    linear_weights: None (the weights in `dtype`) or torch.bfloat16 with dtype float32 on the CPU:
+    the linear layers' weights stored in bfloat16, the rest float32
+    (cpu_linear.store_linear_weights_bfloat16; see default_linear_weights).
     """
+    if linear_weights not in (None, dtype) and not (
+            linear_weights == torch.bfloat16 and dtype == torch.float32 and str(device) == "cpu"):
+        raise ValueError(f"linear_weights must be None, the model's dtype, or torch.bfloat16 with "
+                         f"dtype float32 on the CPU, got {linear_weights} with {dtype} on {device}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {}
@@ -266,7 +287,11 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32, device: str = "c
                                                  **kwargs)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.to(device).eval(), tokenizer
+    model = model.to(device).eval()
+    if linear_weights == torch.bfloat16 and dtype == torch.float32:
+        from .cpu_linear import store_linear_weights_bfloat16
+        store_linear_weights_bfloat16(model)
+    return model, tokenizer
 
 
 def names() -> Sequence[str]:
