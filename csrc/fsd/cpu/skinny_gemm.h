@@ -3,8 +3,8 @@
 // every call and cost 2-3x a single-row product for 2..16 rows; here each weight row is streamed
 // from memory once and multiplied with every row of x while it is in registers, so the product
 // costs about what reading W costs, whatever the number of rows (up to kSkinnyMaxRows).
-// W may be float32 or bfloat16 (widened to float32 in registers: half the bytes to stream); x, the
-// bias and y are float32 and the sums are float32 either way. With bfloat16 W and x given as
+// W may be float32 or bfloat16 (widened to float32 in cache or, with AVX2, in registers: half the
+// bytes to stream); x, the bias and y are float32 and the sums are float32 either way. With bfloat16 W and x given as
 // bfloat16 too (`x_bf16`), a CPU with AVX512-BF16 multiplies the pairs with its bfloat16 dot-product
 // instruction (exact products, float32 sums) instead of widening W: a fraction of the work, so the
 // product runs at memory speed.
@@ -34,10 +34,13 @@ struct SkinnyGemm {
   float* y = nullptr;  // [rows, out]: row r at y + r * y_stride
   int64_t y_stride = 0;
   int64_t rows = 0, in = 0, out = 0;  // rows in [1, kSkinnyMaxRows]
+  bool portable = false;  // for tests: the portable loops even where an intrinsics path exists
 };
 
 // Whether this CPU runs the AVX512-BF16 path (x86-64 builds with GCC; checked once).
 bool bf16_dot_available();
+// Whether this CPU takes the AVX2 + FMA path for float32 x (x86-64 builds with GCC; checked once).
+bool avx2_available();
 
 // Parallel over blocks of output features (each thread streams its own part of W).
 void skinny_gemm(const SkinnyGemm& problem, const ParallelFor& parallel_for = serial_for);

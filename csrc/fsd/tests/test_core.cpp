@@ -236,19 +236,23 @@ void test_accept_end_to_end() {
 // Every row count 1..16 (full and partial row groups), odd `in` (the % 8 and % 32 tails) and odd
 // `out` (a lone last weight row, a short last block of four), padded strides, with and without
 // bias, against a double-precision loop; a task-splitting ParallelFor, so out ranges that start
-// mid-matrix are covered; float32 weights, bfloat16 weights, and bfloat16 weights with x given as
-// bfloat16 too (the AVX512-BF16 path where the CPU has it). Values that bfloat16 holds exactly, so
+// mid-matrix are covered; float32 and bfloat16 weights (each by the AVX2 path where the CPU has it,
+// and by the portable one), and bfloat16 weights with x given as bfloat16 too (the AVX512-BF16 path
+// where the CPU has it). Values that bfloat16 holds exactly, so
 // one expected result serves all three.
 void test_skinny_gemm() {
-  std::printf("skinny_gemm: AVX512-BF16 path %s\n", fsd::cpu::bf16_dot_available() ? "checked" : "not on this CPU");
+  std::printf("skinny_gemm: AVX512-BF16 path %s, AVX2 path %s\n",
+              fsd::cpu::bf16_dot_available() ? "checked" : "not on this CPU",
+              fsd::cpu::avx2_available() ? "checked" : "not on this CPU");
   const fsd::cpu::ParallelFor chunks_of_3 = [](int64_t count, int64_t, const fsd::cpu::RangeFn& body) {
     for (int64_t begin = 0; begin < count; begin += 3) body(begin, std::min(count, begin + 3));
   };
   auto bfloat16_of = [](double value) {  // value truncated to bfloat16
     return fsd::cpu::BFloat16{(uint16_t)(fsd::cpu::float_to_bits((float)value) >> 16)};
   };
-  enum class Mode { Float32, BFloat16, BFloat16Dot };
-  for (const Mode mode : {Mode::Float32, Mode::BFloat16, Mode::BFloat16Dot}) {
+  enum class Mode { Float32, Float32Portable, BFloat16, BFloat16Portable, BFloat16Dot };
+  for (const Mode mode : {Mode::Float32, Mode::Float32Portable, Mode::BFloat16, Mode::BFloat16Portable,
+                          Mode::BFloat16Dot}) {
   for (int64_t in : {1, 8, 13, 40, 77, 2085}) {  // 2085: large blocks (L2 prefetch; 3 column chunks at 5+ rows)
     for (int64_t out : {1, 2, 7, 131, 200}) {
       for (int64_t rows = 1; rows <= fsd::cpu::kSkinnyMaxRows; ++rows) {
@@ -270,11 +274,12 @@ void test_skinny_gemm() {
           g.x_bf16 = reinterpret_cast<const uint16_t*>(x_bf16.data());
           if (fsd::cpu::bf16_dot_available()) g.x = nullptr;  // that path reads x_bf16 alone
         }
-        const bool bf16 = mode != Mode::Float32;
+        const bool bf16 = mode != Mode::Float32 && mode != Mode::Float32Portable;
         g.w = bf16 ? static_cast<const void*>(w_bf16.data()) : w.data();
         g.w_dtype = bf16 ? fsd::DType::BFloat16 : fsd::DType::Float32;
         g.bias = (rows % 2) ? bias.data() : nullptr, g.y = y.data(), g.y_stride = y_stride;
         g.rows = rows, g.in = in, g.out = out;
+        g.portable = mode == Mode::Float32Portable || mode == Mode::BFloat16Portable;
         fsd::cpu::skinny_gemm(g, chunks_of_3);
         for (int64_t r = 0; r < rows; ++r) {
           for (int64_t o = 0; o < out; ++o) {
