@@ -20,15 +20,19 @@ Where it pays off (`skinny_pays_off`: a fixed rule, not a timing, so that two ru
   kernel 1.87 / 2.45 / 2.84 ms, 2026-11-30); on an Intel Xeon MKL takes its fast paths, and whole
   forwards of the Qwen pair there were 21% faster with F.linear at one token and about even at six
   (2026-12-02), so float32 stays with F.linear.
-- bfloat16 without AVX512-BF16: the kernel widens each weight block to float32 in cache (half the
-  bytes, all the float32 work) and wins from two rows (AMD EPYC, 8960x1536, 6 rows: 3.71 ms against
-  F.linear's 8.48); one row stays with F.linear.
+- bfloat16 without AVX512-BF16: the kernel widens the weights to float32, in registers with AVX2
+  (`avx2_available()`), else in cache (half the bytes, all the float32 work). With AVX2 it wins at
+  every row count (AMD EPYC, 2 threads, 1 / 2 / 6 rows: F.linear over the kernel 1.0-1.5 / 1.1-2.1
+  / 2.1-4.6x on the pair's linear shapes, the 0.5B's 128x896 k_proj 0.84x at one row;
+  `bench_cpu_linear.py --dtype bfloat16`, 2026-12-02); without it one row stays with F.linear.
 
 - bfloat16 weights with float32 activations (`store_linear_weights_bfloat16`, a
   `Bfloat16WeightLinear` per layer; what `fsd-ext` and `models.load` do for float32 models where
   float32 pays off, `models.default_linear_weights`): half the weight bytes, everything else
   float32. AMD EPYC, 2 threads, median of 5 interleaved (2026-12-02): the 1.5B's forward of 1 / 6
-  / 40 tokens 475 / 604 / 2956 -> 361 / 539 / 1858 ms against the float32 model on the kernel.
+  / 40 tokens 475 / 604 / 2956 -> 361 / 539 / 1858 ms against the float32 model on the kernel, and
+  1 / 6 tokens 313 / 361 ms since the kernel's AVX2 path (which made the float32 model's 567 / 817
+  -> 535 / 647 ms, same run).
 
 fsd_ext.generate switches it on for its own forwards on the CPU where it pays off
 (`skinny_cpu_linears="auto"`) and restores the models' modules when it returns;
@@ -51,10 +55,10 @@ _ORIGINAL = "_fsd_original_forward"
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """F.linear(x, weight, bias) for x [..., in]. For 1..MAX_ROWS float32 or 2..MAX_ROWS bfloat16 CPU
-    rows (1..MAX_ROWS with bf16_dot_available()), and no autograd: the fsd_ext kernel, else for
-    float32 (W @ x^T)^T; anything else goes to F.linear. A bfloat16 weight with float32 x (and bias)
-    is the weight-only case (Bfloat16WeightLinear): the kernel at 1..MAX_ROWS rows, else F.linear
-    with the weight widened to float32."""
+    rows (1..MAX_ROWS with bf16_dot_available() or avx2_available()), and no autograd: the fsd_ext
+    kernel, else for float32 (W @ x^T)^T; anything else goes to F.linear. A bfloat16 weight with
+    float32 x (and bias) is the weight-only case (Bfloat16WeightLinear): the kernel at 1..MAX_ROWS
+    rows, more rows by _widening_linear, and F.linear with the weight widened under autograd."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
     weight_only = x.dtype == torch.float32 and weight.dtype == torch.bfloat16
@@ -63,20 +67,26 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Ten
         return _widening_linear(x, weight, bias)
     if (not 0 < rows <= MAX_ROWS or x.device.type != "cpu" or x.dtype not in _KERNEL_DTYPES
             or (weight.dtype != x.dtype and not weight_only) or needs_grad):
-        return F.linear(x, weight.to(x.dtype) if weight_only else weight, bias)
-    # torch's bfloat16 GEMV is faster there, unless the kernel has the CPU's bfloat16 dot product
-    one_bf16_row = rows == 1 and x.dtype == torch.bfloat16 and not bf16_dot_available()
+        return _plain_linear(x, weight, bias, weight_only)
+    # torch's bfloat16 GEMV is faster than the portable loops there (the intrinsics paths win)
+    one_bf16_row = rows == 1 and x.dtype == torch.bfloat16 and not (bf16_dot_available() or avx2_available())
     if native is not None and not one_bf16_row and weight.stride(-1) == 1 and (
             bias is None or bias.dtype == x.dtype):
         return native(x, weight, bias)
     if x.dtype != torch.float32 or weight_only:
-        return F.linear(x, weight.to(x.dtype) if weight_only else weight, bias)
+        return _plain_linear(x, weight, bias, weight_only)
     # The BLAS is fast here only with a contiguous x (x^T is then a transposed operand, not a copy).
     x_rows = x.reshape(rows, x.shape[-1]).contiguous()  # [rows, in]
     out = (weight @ x_rows.t()).t().contiguous()  # [rows, out]
     if bias is not None:
         out += bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias, weight_only: bool) -> torch.Tensor:
+    """F.linear, with a bfloat16 weight widened to x's float32 in the weight-only case (other dtype
+    mismatches raise F.linear's error, as nn.Linear would)."""
+    return F.linear(x, weight.to(x.dtype) if weight_only else weight, bias)
 
 
 _WIDENED_BLOCK_BYTES = 4 << 20  # float32 weight rows widened at a time: cache-sized
@@ -106,7 +116,7 @@ class Bfloat16WeightLinear(torch.nn.Linear):
     """An nn.Linear whose weight is stored in bfloat16 while its input, bias and output stay float32
     (made by store_linear_weights_bfloat16): half the weight bytes for decoding to read, and every
     other operation of the model in float32. Few-row inputs go to the kernel, which widens the
-    weights to float32 in cache; others to F.linear with the weight widened."""
+    weights to float32 in registers or cache; prompt-sized ones to _widening_linear."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return skinny_linear(x, self.weight, self.bias)
@@ -142,6 +152,13 @@ def bf16_dot_available() -> bool:
     """Whether the kernel multiplies bfloat16 weights and activations with the CPU's AVX512-BF16
     dot-product instruction (False without the compiled extension)."""
     return _native_op() is not None and bool(torch.ops.fsd_ext.skinny_linear_bf16_dot())
+
+
+@functools.lru_cache(maxsize=None)
+def avx2_available() -> bool:
+    """Whether the kernel takes its AVX2 + FMA path for float32 activations (with float32 weights, or
+    bfloat16 ones widened in registers; False without the compiled extension)."""
+    return _native_op() is not None and bool(torch.ops.fsd_ext.skinny_linear_avx2())
 
 
 def cpu_vendor() -> str:

@@ -69,8 +69,9 @@ def test_kernel_bfloat16_matches_float32_product_rounded(rows, bias):
     torch.testing.assert_close(out.double(), exact, rtol=2 ** -8, atol=1e-3)
     torch.testing.assert_close(out, F.linear(x, weight, b), rtol=2 ** -7, atol=2e-2)
     # Through the Python entry point too: the kernel from 2 rows on, and for one row where it has
-    # AVX512-BF16 (else one bfloat16 row goes to F.linear).
-    expected_entry = out if rows > 1 or cpu_linear.bf16_dot_available() else F.linear(x, weight, b)
+    # AVX512-BF16 or AVX2 (else one bfloat16 row goes to F.linear).
+    kernel_row = cpu_linear.bf16_dot_available() or cpu_linear.avx2_available()
+    expected_entry = out if rows > 1 or kernel_row else F.linear(x, weight, b)
     torch.testing.assert_close(skinny_linear(x, weight, b), expected_entry, rtol=0, atol=0)
 
 
@@ -82,10 +83,12 @@ def _cpu_flags() -> set:
 @needs_ext
 @pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or os.uname().machine != "x86_64",
                     reason="reads the x86 CPU flags of Linux")
-def test_bf16_dot_path_follows_the_cpu_flags():
-    """The AVX512-BF16 path is taken exactly where the CPU has the instruction (the extension is
-    built with GCC here; the kernel's own checks of that path are in test_core)."""
-    assert cpu_linear.bf16_dot_available() == ("avx512_bf16" in _cpu_flags())
+def test_intrinsics_paths_follow_the_cpu_flags():
+    """The AVX512-BF16 and AVX2 paths are taken exactly where the CPU has the instructions (the
+    extension is built with GCC here; the kernel's own checks of those paths are in test_core)."""
+    flags = _cpu_flags()
+    assert cpu_linear.bf16_dot_available() == ("avx512_bf16" in flags)
+    assert cpu_linear.avx2_available() == ("avx2" in flags and "fma" in flags)
 
 
 @pytest.mark.parametrize("dot", [True, False])

@@ -171,6 +171,8 @@ TORCH_LIBRARY(fsd_ext, m) {
   // Whether skinny_linear's bfloat16 products take the AVX512-BF16 path on this CPU (no tensors:
   // one kernel for every backend).
   m.def("skinny_linear_bf16_dot() -> bool", [] { return fsd::cpu::bf16_dot_available(); });
+  // Whether skinny_linear takes the AVX2 + FMA path for float32 x on this CPU.
+  m.def("skinny_linear_avx2() -> bool", [] { return fsd::cpu::avx2_available(); });
 }
 
 TORCH_LIBRARY_IMPL(fsd_ext, CPU, m) {
