@@ -334,11 +334,16 @@ class HFBackend(Backend):
         self.device = next(target.parameters()).device
 
     def setup(self) -> Dict[str, Any]:
-        return {"target": self.names.get("target", type(self.target).__name__),
-                "draft": self.names.get("draft", type(self.draft).__name__),
-                "dtype": str(next(self.target.parameters()).dtype).replace("torch.", ""),
-                "max_new_tokens": self.max_new_tokens, "chat": self.chat,
-                "prompt_version": PROMPT_VERSION}
+        setup = {"target": self.names.get("target", type(self.target).__name__),
+                 "draft": self.names.get("draft", type(self.draft).__name__),
+                 "dtype": str(next(self.target.parameters()).dtype).replace("torch.", ""),
+                 "max_new_tokens": self.max_new_tokens, "chat": self.chat,
+                 "prompt_version": PROMPT_VERSION}
+        # Only where set, so that the setups (resume keys) of sweeps without it keep their ids.
+        from .cpu_linear import Bfloat16WeightLinear
+        if any(isinstance(m, Bfloat16WeightLinear) for model in (self.target, self.draft) for m in model.modules()):
+            setup["linear_weights"] = "bfloat16"
+        return setup
 
     def prompt(self, problem: Dict[str, str]) -> str:
         return humaneval.format_prompt(problem, self.tokenizer, self.chat)
@@ -834,13 +839,16 @@ def environment() -> Dict[str, Any]:
 # ----------------------------------------------------------------------------------------------
 # Models.
 
-def load_model(spec: str, dtype: str = "float32", device: str = "cpu"):
+def load_model(spec: str, dtype: str = "float32", device: str = "cpu", linear_weights: str = "same"):
     """(model, tokenizer) for a built-in name of fsd_ext.models (the offline Qwen2.5-Coder pair,
     SmolLM2: assembled, checked and converted once into a cache), a folder, a .gguf file, or a hub
-    id (which needs a network or a local cache)."""
+    id (which needs a network or a local cache). linear_weights: "same" (the model's dtype),
+    "bfloat16", or "auto" (models.default_linear_weights), as in `fsd-ext generate`."""
     import torch
     from . import models
-    return models.load(spec, dtype=getattr(torch, dtype), device=device)
+    from .cli import _linear_weights
+    return models.load(spec, dtype=getattr(torch, dtype), device=device,
+                       linear_weights=_linear_weights(linear_weights, device, getattr(torch, dtype)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -857,6 +865,9 @@ def add_arguments(parser: argparse.ArgumentParser):
                        help=f"target model: one of {', '.join(names())}, a folder, a .gguf file or a hub id")
     model.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model")
     model.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (None: fsd_ext.models.default_dtype)")
+    model.add_argument("--linear-weights", default="auto", choices=["auto", "same", "bfloat16"],
+                       help="dtype of the linear layers' weights, as in `fsd-ext generate` (auto: "
+                            "bfloat16 for float32 models on CPUs where the kernel pays off)")
     model.add_argument("--device", default=None, help="cpu | cuda (None: cuda if available)")
     model.add_argument("--no-cuda-graphs", action="store_true", help="pass use_cuda_graphs=False")
 
@@ -1014,9 +1025,10 @@ def run_from_args(args, backend: Optional[Backend] = None) -> List[Dict[str, Any
             return []
     else:
         if backend is None:
-            target, tokenizer = load_model(args.target, dtype, device)
+            target, tokenizer = load_model(args.target, dtype, device, args.linear_weights)
             # The same spec twice (a pipeline check: SD then accepts everything) shares one model.
-            draft = target if args.draft == args.target else load_model(args.draft, dtype, device)[0]
+            draft = (target if args.draft == args.target
+                     else load_model(args.draft, dtype, device, args.linear_weights)[0])
             backend = HFBackend(target, draft, tokenizer, max_new_tokens=args.max_new_tokens,
                                 use_chat=False if args.no_chat else None,
                                 check_sd=not args.no_sd_check,

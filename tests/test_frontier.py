@@ -446,6 +446,7 @@ def test_hf_backend_end_to_end_on_tiny_models(tmp_path, one_thread):
     backend = frontier.HFBackend(target, draft, ByteTokenizer(), max_new_tokens=12,
                                  generate_fn=generate, names={"target": "tiny-a", "draft": "tiny-b"})
     assert not backend.chat and backend.setup()["target"] == "tiny-a"
+    assert "linear_weights" not in backend.setup()  # float32 setups keep their resume ids
     gen = backend.complete(Config("fsd", "js", 0.3), PROBLEMS[0]["prompt"])
     assert gen.new_tokens == 12 and gen.target_calls == 12 and gen.verify_steps == 12
     # Every third token was not the target's argmax: the teacher-forced check counts exactly those.
@@ -521,3 +522,22 @@ def test_smoke_on_real_weights(tmp_path, one_thread):
     assert rows["SD"]["sd_rejected_share"] == 0.0 and rows["AR"]["new_tokens"] == rows["SD"]["new_tokens"]
     records = [json.loads(line) for line in open(os.path.join(out, "results.jsonl"))]
     assert len({r["generated_text"] for r in records}) == 1
+
+
+def test_hf_backend_setup_names_bfloat16_linear_weights():
+    """A sweep on bfloat16 linear weights gets its own setup (resume key), and one without keeps
+    the key it had before the option existed."""
+    from fsd_ext import cpu_linear
+    target, draft = tiny_llama(0, layers=2), tiny_llama(1)
+    backend = frontier.HFBackend(target, draft, ByteTokenizer(), max_new_tokens=4,
+                                 generate_fn=make_fake_generate(), names={"target": "a", "draft": "b"})
+    before = backend.setup()
+    assert before == {"target": "a", "draft": "b", "dtype": "float32", "max_new_tokens": 4,
+                      "chat": False, "prompt_version": frontier.PROMPT_VERSION}
+    assert cpu_linear.store_linear_weights_bfloat16(draft) > 0
+    after = backend.setup()
+    assert after == {**before, "linear_weights": "bfloat16"}
+    assert frontier.setup_id(after) != frontier.setup_id(before)
+    args = frontier.build_parser().parse_args([])
+    assert args.linear_weights == "auto"
+    assert frontier.build_parser().parse_args(["--linear-weights", "same"]).linear_weights == "same"
