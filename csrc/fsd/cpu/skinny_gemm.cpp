@@ -16,7 +16,7 @@
 
 #include "fsd/cpu/vec.h"
 
-// GCC on x86-64 (the target pragmas below are GCC's; other compilers take the widening path).
+// GCC on x86-64 (the target pragmas below are GCC's; other compilers take the portable loops).
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define FSD_X86_INTRINSICS 1
 #include <immintrin.h>

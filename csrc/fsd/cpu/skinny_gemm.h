@@ -4,10 +4,10 @@
 // from memory once and multiplied with every row of x while it is in registers, so the product
 // costs about what reading W costs, whatever the number of rows (up to kSkinnyMaxRows).
 // W may be float32 or bfloat16 (widened to float32 in cache or, with AVX2, in registers: half the
-// bytes to stream); x, the bias and y are float32 and the sums are float32 either way. With bfloat16 W and x given as
-// bfloat16 too (`x_bf16`), a CPU with AVX512-BF16 multiplies the pairs with its bfloat16 dot-product
-// instruction (exact products, float32 sums) instead of widening W: a fraction of the work, so the
-// product runs at memory speed.
+// bytes to stream); x, the bias and y are float32 and the sums are float32 either way. With
+// bfloat16 W and x given as bfloat16 too (`x_bf16`), a CPU with AVX512-BF16 multiplies the pairs
+// with its bfloat16 dot-product instruction (exact products, float32 sums) instead of widening W: a
+// fraction of the work, so the product runs at memory speed.
 #pragma once
 
 #include <cstdint>

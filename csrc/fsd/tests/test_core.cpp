@@ -238,8 +238,8 @@ void test_accept_end_to_end() {
 // bias, against a double-precision loop; a task-splitting ParallelFor, so out ranges that start
 // mid-matrix are covered; float32 and bfloat16 weights (each by the AVX2 path where the CPU has it,
 // and by the portable one), and bfloat16 weights with x given as bfloat16 too (the AVX512-BF16 path
-// where the CPU has it). Values that bfloat16 holds exactly, so
-// one expected result serves all three.
+// where the CPU has it). Values that bfloat16 holds exactly, so one expected result serves every
+// mode.
 void test_skinny_gemm() {
   std::printf("skinny_gemm: AVX512-BF16 path %s, AVX2 path %s\n",
               fsd::cpu::bf16_dot_available() ? "checked" : "not on this CPU",
