@@ -15,12 +15,7 @@
 #include <vector>
 
 #include "fsd/cpu/vec.h"
-
-// GCC on x86-64 (the target pragmas below are GCC's; other compilers take the portable loops).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define FSD_X86_INTRINSICS 1
-#include <immintrin.h>
-#endif
+#include "fsd/cpu/x86_sums.h"  // FSD_X86_INTRINSICS: GCC on x86-64, else the portable loops alone
 
 namespace fsd {
 namespace cpu {
@@ -83,9 +78,8 @@ FSD_CPU_CLONES void widen_bfloat16(const uint16_t* src, float* dst, int64_t n) {
 #if FSD_X86_INTRINSICS
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
-// Fully unrolled early, so that GCC keeps the accumulator arrays in registers (else it stores
-// them to the stack every iteration).
-#define FSD_UNROLL _Pragma("GCC unroll 16")
+using x86::sum4;
+using x86::sum4_avx2;
 constexpr int kDotRows = 4;  // weight rows per pass over x: 4 x kRowGroup accumulators (16 zmm)
 // Blocks up to this size are prefetched into L1, larger ones into L2: a next block that large,
 // brought into L1 (48 KB here) beside the current one and x, evicts the lines still in use
@@ -110,32 +104,6 @@ FSD_ALWAYS_INLINE bool is_large_block(const SkinnyGemm& g) {
 // a masked load, which costs an ALU operation more, only for the in % 32 tail).
 FSD_ALWAYS_INLINE __m512bh load_bf16(const uint16_t* p, __mmask32 mask, bool full) {
   return (__m512bh)(full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(mask, p));
-}
-
-// Shuffles in their full-mask forms: the plain ones pass GCC 12 an undefined source, which
-// -Wuninitialized reports; with every lane selected the instruction is the same.
-template <int kImm>
-FSD_ALWAYS_INLINE __m512 shuffle_blocks(__m512 a, __m512 b) { return _mm512_mask_shuffle_f32x4(a, 0xFFFF, a, b, kImm); }
-template <int kImm>
-FSD_ALWAYS_INLINE __m512 permute_in_blocks(__m512 a) { return _mm512_mask_permute_ps(a, 0xFFFF, a, kImm); }
-
-// sums[k] = the lane sum of a_k, by shuffles and adds on all four at once: ~15 instructions where
-// 4 x 16 scalar additions took ~10% of a 4-row block's time (151936x1536, 4 / 6 rows: 26.9 / 28.8
-// -> 24.6 / 25.9 ms, median of 9).
-FSD_ALWAYS_INLINE void sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float* sums) {
-  // Fold halves, then quarters: 128-bit block k of `quad` holds 4 lanes that sum to sum(a_k).
-  const __m512 half01 = _mm512_add_ps(shuffle_blocks<_MM_SHUFFLE(1, 0, 1, 0)>(a0, a1),
-                                      shuffle_blocks<_MM_SHUFFLE(3, 2, 3, 2)>(a0, a1));
-  const __m512 half23 = _mm512_add_ps(shuffle_blocks<_MM_SHUFFLE(1, 0, 1, 0)>(a2, a3),
-                                      shuffle_blocks<_MM_SHUFFLE(3, 2, 3, 2)>(a2, a3));
-  const __m512 quad = _mm512_add_ps(shuffle_blocks<_MM_SHUFFLE(2, 0, 2, 0)>(half01, half23),
-                                    shuffle_blocks<_MM_SHUFFLE(3, 1, 3, 1)>(half01, half23));
-  // Then within each block: neighbours, then the two pair sums.
-  const __m512 pairs = _mm512_add_ps(quad, permute_in_blocks<_MM_SHUFFLE(2, 3, 0, 1)>(quad));
-  const __m512 total = _mm512_add_ps(pairs, permute_in_blocks<_MM_SHUFFLE(1, 0, 3, 2)>(pairs));
-  alignas(64) float lane[16];
-  _mm512_store_ps(lane, total);
-  for (int k = 0; k < 4; ++k) sums[k] = lane[4 * k];
 }
 
 // Rows [row0, row0 + R) of x times weight rows [o, o + n) (n <= kDotRows), 32 pairs per
@@ -263,12 +231,6 @@ FSD_ALWAYS_INLINE __m256 load8(const uint16_t* p) {
 FSD_ALWAYS_INLINE __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 FSD_ALWAYS_INLINE float weight_value(uint16_t bits) { return bits_to_float((uint32_t)bits << 16); }
 FSD_ALWAYS_INLINE float weight_value(float value) { return value; }
-
-// The lane sums of a0..a3, in that order.
-FSD_ALWAYS_INLINE __m128 sum4_avx2(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
-  const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));  // per 128-bit half
-  return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
-}
 
 // Rows [row0, row0 + R) of x times weight rows [o, o + n) (n <= kAvx2Rows); prefetch_rows as in
 // dot_bf16_block. The products and float32 sums are the widening path's, in another order.
