@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import platform
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -98,14 +99,25 @@ def _widening_linear(x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tenso
     without a float32 copy of the whole weight (allocating that, 0.9 GB for the 1.5B's output
     layer, made a 40-token prompt forward 2.1x as slow as in float32)."""
     out_features, in_features = weight.shape
-    x_rows = x.reshape(-1, in_features)
-    y_t = torch.empty(out_features, x_rows.shape[0], dtype=x.dtype)  # [out, rows]: row blocks contiguous
     block = max(1, _WIDENED_BLOCK_BYTES // (4 * in_features))
     widened = torch.empty(min(block, out_features), in_features, dtype=x.dtype)
-    for o in range(0, out_features, block):
-        w = widened[:min(block, out_features - o)]
-        w.copy_(weight[o:o + block])
-        torch.mm(w, x_rows.t(), out=y_t[o:o + block])
+
+    def rows(begin: int, end: int) -> torch.Tensor:
+        w = widened[:end - begin]
+        w.copy_(weight[begin:end])
+        return w
+
+    return _blockwise_linear(x, rows, out_features, block, bias)
+
+
+def _blockwise_linear(x: torch.Tensor, weight_rows, out_features: int, block: int, bias) -> torch.Tensor:
+    """F.linear(x, W, bias) for float32 x, with W's float32 rows [begin, end) given by
+    weight_rows(begin, end) a block of rows at a time (each block's product by torch.mm)."""
+    x_rows = x.reshape(-1, x.shape[-1])
+    y_t = torch.empty(out_features, x_rows.shape[0], dtype=x.dtype)  # [out, rows]: row blocks contiguous
+    for begin in range(0, out_features, block):
+        end = min(out_features, begin + block)
+        torch.mm(weight_rows(begin, end), x_rows.t(), out=y_t[begin:end])
     y = y_t.t()
     if bias is not None:
         y = y + bias
@@ -139,6 +151,113 @@ def store_linear_weights_bfloat16(model: torch.nn.Module) -> int:
     return converted
 
 
+class QuantWeightLinear(torch.nn.Module):
+    """A linear layer whose weight is stored as small integer codes with a float scale (and
+    offset) per group of 32 (format "q4", 4-bit codes) or 16 (format "q8", 8-bit codes) input
+    features, in the layout of csrc/fsd/cpu/quant_gemm.h: a GGUF checkpoint's own quantised
+    weights, repacked by fsd_ext.gguf_weights.load_gguf_linear_weights, which makes these modules.
+    Every weight is exactly the float32 value the checkpoint's dequantisation gives; decoding reads
+    0.75 (q4) or 1.25 (q8) bytes per weight instead of bfloat16's 2 or float32's 4.
+
+    codes: uint8 [ceil(out / 4), in / group, 64]; params: float32 [ceil(out / 4), in / group, 8 (q4)
+    or 4 (q8)]; bias: float32 [out] or None. Input and output are float32 (another floating dtype
+    is computed in float32 and cast back). Few-row CPU inputs (decoding: 1..MAX_ROWS rows) go to
+    the fsd_ext kernel; more rows (a prompt) to torch.mm on cache-sized blocks of dequantised rows,
+    in bfloat16 on CPUs where that is much faster (prompt_matmul_dtype; set `prompt_dtype` to
+    torch.float32, or use set_prompt_dtype(model, torch.float32), for float32 there too); other
+    devices, autograd, or a build without the extension dequantise with torch ops.
+    """
+
+    def __init__(self, codes: torch.Tensor, params: torch.Tensor, format: str, in_features: int,
+                 out_features: int, bias: Optional[torch.Tensor] = None, source: str = ""):
+        super().__init__()
+        if format not in _QUANT_GROUP:
+            raise ValueError(f"format must be one of {sorted(_QUANT_GROUP)}, got {format!r}")
+        group, blocks = _QUANT_GROUP[format], -(-out_features // 4)
+        params_per_group = 8 if format == "q4" else 4
+        if in_features % group or codes.shape != (blocks, in_features // group, 64) or codes.dtype != torch.uint8:
+            raise ValueError(f"codes must be uint8 [{blocks}, {in_features // group}, 64] for a {format} "
+                             f"[{out_features}, {in_features}] weight, got {codes.dtype} {tuple(codes.shape)}")
+        if params.shape != (blocks, in_features // group, params_per_group) or params.dtype != torch.float32:
+            raise ValueError(f"params must be float32 [{blocks}, {in_features // group}, {params_per_group}], "
+                             f"got {params.dtype} {tuple(params.shape)}")
+        self.format, self.source = format, source
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("params", params.contiguous())
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.prompt_dtype: Optional[torch.dtype] = None  # see prompt_matmul_dtype
+
+    def extra_repr(self) -> str:
+        source = f", from {self.source}" if self.source else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"format={self.format}{source}, bias={self.bias is not None}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return self.forward(x.float()).to(x.dtype)
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        needs_grad = torch.is_grad_enabled() and x.requires_grad
+        native = _native_op()
+        on_cpu = x.device.type == "cpu" and self.codes.device.type == "cpu"
+        if native is not None and on_cpu and not needs_grad and 0 < rows <= MAX_ROWS:
+            return torch.ops.fsd_ext.quant_linear(x, self.codes, self.params, _QUANT_FORMAT_ID[self.format],
+                                                  self.out_features, self.bias)
+        if native is not None and on_cpu and not needs_grad:
+            block = max(4, _WIDENED_BLOCK_BYTES // (4 * self.in_features) // 4 * 4)
+            if self.prompt_matmul_dtype() == torch.bfloat16:
+                def rows(begin: int, end: int) -> torch.Tensor:
+                    return self._dequantized_rows(begin, end, torch.bfloat16)
+
+                y = _blockwise_linear(x.bfloat16(), rows, self.out_features, 2 * block, None).float()
+                return y if self.bias is None else y + self.bias
+            return _blockwise_linear(x, self._dequantized_rows, self.out_features, block, self.bias)
+        return F.linear(x, self.dequantized_weight(), self.bias)
+
+    def prompt_matmul_dtype(self) -> torch.dtype:
+        """The dtype of the product for more than MAX_ROWS rows (a prompt): self.prompt_dtype, or
+        when that is None ("auto"), bfloat16 on a CPU with AVX512-BF16 (whose bfloat16 GEMM, AMX
+        where it has it, ran 5.6x torch's float32 GEMM on an Intel Xeon: 48 x 1536 x 8960, 2.3 vs
+        12.8 ms) and float32 elsewhere. bfloat16 rounds that product's weights, inputs and outputs
+        as a bfloat16 model does; decoding steps (at most MAX_ROWS rows) always multiply the float32
+        weights exactly."""
+        if self.prompt_dtype is not None:
+            return self.prompt_dtype
+        return torch.bfloat16 if bf16_dot_available() else torch.float32
+
+    def _dequantized_rows(self, begin: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows [begin, end) of the weight (begin a multiple of 4) by the fsd_ext kernel, float32 or
+        rounded to bfloat16."""
+        blocks = slice(begin // 4, -(-end // 4))
+        return torch.ops.fsd_ext.quant_dequantize(self.codes[blocks], self.params[blocks],
+                                                  _QUANT_FORMAT_ID[self.format], end - begin, dtype)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 weight [out, in] (the same values on every path)."""
+        if _native_op() is not None and self.codes.device.type == "cpu":
+            return self._dequantized_rows(0, self.out_features)
+        return dequantize_torch(self.codes, self.params, self.format, self.out_features)
+
+
+_QUANT_GROUP = {"q4": 32, "q8": 16}
+_QUANT_FORMAT_ID = {"q4": 0, "q8": 1}
+
+
+def dequantize_torch(codes: torch.Tensor, params: torch.Tensor, format: str, out_features: int) -> torch.Tensor:
+    """QuantWeightLinear's float32 weight [out, in] from codes and params in torch ops (any device;
+    the kernel's fma rounds once where these round the product and the sum apart, which differs
+    only where code x scale is not exact: never for GGUF's scales)."""
+    blocks, groups, _ = codes.shape
+    by_row = codes.reshape(blocks, groups, 4, 16)
+    if format == "q4":
+        values = torch.cat([by_row & 15, by_row >> 4], dim=-1).float()  # [blocks, groups, 4, 32]
+        scale, offset = params[..., 0::2, None], params[..., 1::2, None]  # [blocks, groups, 4, 1]
+        weights = values * scale + offset
+    else:
+        weights = by_row.view(torch.int8).float() * params[..., None]
+    return weights.permute(0, 2, 1, 3).reshape(blocks * 4, -1)[:out_features]
+
+
 @functools.lru_cache(maxsize=None)
 def _native_op():
     """torch.ops.fsd_ext.skinny_linear, or None when the extension is not built (looked up once:
@@ -159,6 +278,40 @@ def avx2_available() -> bool:
     """Whether the kernel takes its AVX2 + FMA path for float32 activations (with float32 weights, or
     bfloat16 ones widened in registers; False without the compiled extension)."""
     return _native_op() is not None and bool(torch.ops.fsd_ext.skinny_linear_avx2())
+
+
+@functools.lru_cache(maxsize=None)
+def quant_linear_path() -> str:
+    """The loops QuantWeightLinear's decoding products run on this CPU: "avx512", "avx2" or
+    "portable" ("" without the compiled extension)."""
+    return str(torch.ops.fsd_ext.quant_linear_path()) if _native_op() is not None else ""
+
+
+def quant_linears_pay_off() -> bool:
+    """Whether a GGUF checkpoint's own quantised linear weights (QuantWeightLinear) beat the other
+    CPU linears here, by a fixed rule: where the kernel has its AVX-512 path (measured on an Intel
+    Xeon, README); the AVX2 path is tested but not yet measured against the bfloat16 kernel."""
+    return quant_linear_path() == "avx512"
+
+
+def set_prompt_dtype(model: torch.nn.Module, dtype: Optional[torch.dtype]) -> int:
+    """Set `prompt_dtype` (QuantWeightLinear.prompt_matmul_dtype: None = auto, torch.float32,
+    torch.bfloat16) on every QuantWeightLinear of `model`; returns how many."""
+    if dtype not in (None, torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype must be None, torch.float32 or torch.bfloat16, got {dtype}")
+    layers = [m for m in model.modules() if isinstance(m, QuantWeightLinear)]
+    for layer in layers:
+        layer.prompt_dtype = dtype
+    return len(layers)
+
+
+def linear_weights_kind(model: torch.nn.Module) -> Optional[str]:
+    """"gguf" if some linear layer of `model` holds quantised codes (QuantWeightLinear), "bfloat16"
+    if some holds bfloat16 weights under float32 activations (Bfloat16WeightLinear), else None."""
+    kinds = {type(m) for m in model.modules()}
+    if QuantWeightLinear in kinds:
+        return "gguf"
+    return "bfloat16" if Bfloat16WeightLinear in kinds else None
 
 
 def cpu_vendor() -> str:

@@ -66,6 +66,15 @@ if _IMPORT_ERROR is None:
     def _skinny_linear_fake(x, weight, bias):
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
+    @torch.library.register_fake("fsd_ext::quant_linear")
+    def _quant_linear_fake(x, codes, params, format, out_features, bias):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+    @torch.library.register_fake("fsd_ext::quant_dequantize")
+    def _quant_dequantize_fake(codes, params, format, out_features, dtype=None):
+        group = 32 if format == 0 else 16
+        return params.new_empty((out_features, codes.shape[1] * group), dtype=dtype or torch.float32)
+
 
 # ----------------------------------------------------------------------------------------------
 # Argument normalisation.

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "fsd/cpu/kernels.h"
+#include "fsd/cpu/quant_gemm.h"
 #include "fsd/cpu/skinny_gemm.h"
 #include "torch/problem.h"
 
@@ -149,6 +150,79 @@ Tensor skinny_linear_cpu(const Tensor& x, const Tensor& weight, const OptTensor&
   return (dtype == at::kFloat ? y : y.to(dtype)).view(shape);
 }
 
+// The repacked weight of a quant_linear / quant_dequantize call (fsd/cpu/quant_gemm.h's layout):
+// codes uint8 [blocks, groups, 64] and params float32 [blocks, groups, 8 (Q4) or 4 (Q8)], both
+// contiguous, for a matrix [out_features, groups x group size] with blocks = ceil(out_features / 4).
+fsd::cpu::QuantWeights quant_weights(const char* op, const Tensor& codes, const Tensor& params, int64_t format,
+                                     int64_t out_features) {
+  TORCH_CHECK(format == 0 || format == 1, op, ": format must be 0 (Q4) or 1 (Q8), got ", format);
+  const auto quant_format = static_cast<fsd::cpu::QuantFormat>(format);
+  const int64_t param_count = fsd::cpu::quant_params_per_group(quant_format);
+  TORCH_CHECK(codes.device().is_cpu() && params.device().is_cpu(), op, ": codes and params must be CPU tensors");
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == fsd::cpu::kQuantCodeBytes &&
+                  codes.is_contiguous(),
+              op, ": codes must be a contiguous uint8 [blocks, groups, 64], got ", codes.scalar_type(), " ",
+              codes.sizes());
+  TORCH_CHECK(params.scalar_type() == at::kFloat && params.dim() == 3 && params.size(0) == codes.size(0) &&
+                  params.size(1) == codes.size(1) && params.size(2) == param_count && params.is_contiguous(),
+              op, ": params must be a contiguous float32 [", codes.size(0), ", ", codes.size(1), ", ", param_count,
+              "] to match codes, got ", params.scalar_type(), " ", params.sizes());
+  TORCH_CHECK(out_features >= 1 && (out_features + 3) / 4 == codes.size(0), op, ": out_features must be in (",
+              4 * (codes.size(0) - 1), ", ", 4 * codes.size(0), "] for ", codes.size(0), " blocks of 4 rows, got ",
+              out_features);
+  TORCH_CHECK(codes.size(1) >= 1, op, ": codes must hold at least one group of columns, got ", codes.sizes());
+  return {codes.data_ptr<uint8_t>(), params.data_ptr<float>(), quant_format,
+          codes.size(1) * fsd::cpu::quant_group_size(quant_format), out_features};
+}
+
+// x [..., in] float32 times the repacked weight's transpose (+ bias float32 [out]), for at most
+// kQuantMaxRows rows of x: cpu_linear.QuantWeightLinear's decoding steps.
+Tensor quant_linear_cpu(const Tensor& x, const Tensor& codes, const Tensor& params, int64_t format,
+                        int64_t out_features, const OptTensor& bias) {
+  const fsd::cpu::QuantWeights w = quant_weights("quant_linear", codes, params, format, out_features);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "quant_linear: x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == w.in, "quant_linear: x must be [..., ", w.in, "] to match the weight [",
+              w.out, ", ", w.in, "], got ", x.sizes());
+  const int64_t rows = x.numel() / w.in;
+  TORCH_CHECK(rows >= 1 && rows <= fsd::cpu::kQuantMaxRows, "quant_linear: x must hold 1 to ",
+              fsd::cpu::kQuantMaxRows, " rows of ", w.in, ", got ", x.sizes());
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == w.out && bias->device().is_cpu(),
+                "quant_linear: bias must be a float32 [", w.out, "] CPU tensor, got ", bias->scalar_type(), " ",
+                bias->sizes());
+  }
+  const Tensor x_rows = x.reshape({rows, w.in}).contiguous();
+  const Tensor bias_c = bias.has_value() ? bias->contiguous() : Tensor();
+  Tensor y = at::empty({rows, w.out}, x.options());
+  fsd::cpu::QuantGemm problem;
+  problem.w = w;
+  problem.x = x_rows.data_ptr<float>();
+  problem.x_stride = w.in;
+  problem.bias = bias_c.defined() ? bias_c.data_ptr<float>() : nullptr;
+  problem.y = y.data_ptr<float>();
+  problem.y_stride = w.out;
+  problem.rows = rows;
+  fsd::cpu::quant_gemm(problem, torch_parallel_for);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = w.out;
+  return y.view(shape);
+}
+
+// The repacked weight as float32, or rounded to bfloat16, [out_features, in] (the prompt path
+// dequantises a few blocks of rows at a time for the BLAS).
+Tensor quant_dequantize_cpu(const Tensor& codes, const Tensor& params, int64_t format, int64_t out_features,
+                            std::optional<at::ScalarType> dtype) {
+  const fsd::cpu::QuantWeights w = quant_weights("quant_dequantize", codes, params, format, out_features);
+  const at::ScalarType out_dtype = dtype.value_or(at::kFloat);
+  TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
+              "quant_dequantize: dtype must be float32 or bfloat16, got ", out_dtype);
+  Tensor out = at::empty({w.out, w.in}, params.options().dtype(out_dtype));
+  const bool bf16 = out_dtype == at::kBFloat16;
+  fsd::cpu::quant_dequantize(w, 0, w.out, bf16 ? nullptr : out.data_ptr<float>(),
+                             bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr, torch_parallel_for);
+  return out;
+}
+
 }  // namespace
 }  // namespace fsd_torch
 
@@ -173,6 +247,13 @@ TORCH_LIBRARY(fsd_ext, m) {
   m.def("skinny_linear_bf16_dot() -> bool", [] { return fsd::cpu::bf16_dot_available(); });
   // Whether skinny_linear takes the AVX2 + FMA path for float32 x on this CPU.
   m.def("skinny_linear_avx2() -> bool", [] { return fsd::cpu::avx2_available(); });
+  m.def("quant_linear(Tensor x, Tensor codes, Tensor params, int format, int out_features, Tensor? bias) -> Tensor");
+  m.def("quant_dequantize(Tensor codes, Tensor params, int format, int out_features, ScalarType? dtype=None) -> Tensor");
+  // Which loops quant_linear runs on this CPU: "avx512", "avx2" or "portable".
+  m.def("quant_linear_path() -> str", [] {
+    return std::string(fsd::cpu::quant_avx512_available() ? "avx512"
+                       : fsd::cpu::avx2_available() ? "avx2" : "portable");
+  });
 }
 
 TORCH_LIBRARY_IMPL(fsd_ext, CPU, m) {
@@ -181,6 +262,8 @@ TORCH_LIBRARY_IMPL(fsd_ext, CPU, m) {
   m.impl("sample", &fsd_torch::sample_cpu);
   m.impl("philox_uniforms", &fsd_torch::philox_uniforms_cpu);
   m.impl("skinny_linear", &fsd_torch::skinny_linear_cpu);
+  m.impl("quant_linear", &fsd_torch::quant_linear_cpu);
+  m.impl("quant_dequantize", &fsd_torch::quant_dequantize_cpu);
 }
 
 // The ops are not differentiable (token ids, flags; the divergences have no backward): a
