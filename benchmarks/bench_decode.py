@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fsd_ext  # noqa: E402
 from fsd_ext import models  # noqa: E402
-from fsd_ext.cli import DEMO_PROMPTS, _encode, _linear_weights  # noqa: E402
+from fsd_ext.cli import DEMO_PROMPTS, _encode  # noqa: E402
 from fsd_ext.cpu_linear import skinny_cpu_linears  # noqa: E402
 from fsd_ext.generate import check_tokenizers  # noqa: E402
 
@@ -112,10 +112,10 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                         help="model dtype (default: fsd_ext.models.default_dtype: bfloat16 on a GPU "
                              "or a CPU with AVX512-BF16, else float32)")
-    parser.add_argument("--linear-weights", choices=["auto", "same", "bfloat16"], default="auto",
-                        help="dtype of the linear layers' weights (as fsd-ext's option; auto: "
-                             "bfloat16 for float32 models on the CPU, whose linears then run on our "
-                             "kernel in the hf_ configs too)")
+    parser.add_argument("--linear-weights", choices=["auto", "same", "bfloat16", "gguf"], default="auto",
+                        help="the linear layers' weights (as fsd-ext's option; auto: the GGUF file's "
+                             "codes or bfloat16 for float32 CPU models where they pay off, and these "
+                             "linears run on our kernels in the hf_ configs too)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 can win on a busy machine)")
     parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "bench_decode.json"))
@@ -125,10 +125,9 @@ def main(argv=None):
     if args.quick:
         args.num_prompts, args.max_new_tokens, args.repeats = 2, 32, 3
 
-    if args.dtype is None:
-        args.dtype = str(models.default_dtype(args.device)).removeprefix("torch.")
-    dtype = getattr(torch, args.dtype)
-    linear_weights = _linear_weights(args.linear_weights, args.device, dtype)
+    dtype, linear_weights = models.resolve_load_options(args.target, args.device, args.dtype or "auto",
+                                                        args.linear_weights)
+    args.dtype = str(dtype).removeprefix("torch.")
     args.linear_weights = str(linear_weights or dtype).removeprefix("torch.")
     target, tokenizer = models.load(args.target, dtype=dtype, device=args.device,
                                     linear_weights=linear_weights)

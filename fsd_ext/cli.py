@@ -21,28 +21,18 @@ DEMO_PROMPTS = [
     "Write a Python function that counts the words in a text file.",
 ]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _dtype(name: str, device: str) -> torch.dtype:
-    if name == "auto":
-        from .models import default_dtype
-        return default_dtype(device)
-    return DTYPES[name]
-
-
-def _linear_weights(name: str, device: str, dtype: torch.dtype) -> Optional[torch.dtype]:
-    if name == "auto":
-        from .models import default_linear_weights
-        return default_linear_weights(device, dtype)
-    return None if name == "same" else DTYPES[name]
+LINEAR_WEIGHTS = ["auto", "same", "bfloat16", "gguf"]
 
 
 def _describe_dtype(model) -> str:
-    from .cpu_linear import Bfloat16WeightLinear
+    from .cpu_linear import linear_weights_kind
 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    if any(isinstance(m, Bfloat16WeightLinear) for m in model.modules()):
-        dtype += " (bfloat16 linear weights)"
+    kind = linear_weights_kind(model)
+    if kind == "gguf":
+        dtype += " (the GGUF file's quantised linear weights)"
+    elif kind:
+        dtype += f" ({kind} linear weights)"
     return dtype
 
 
@@ -50,15 +40,16 @@ def _load_pair(args, need_draft: bool):
     from . import models
     from .generate import check_tokenizers
 
-    dtype = _dtype(args.dtype, args.device)
-    loading = dict(dtype=dtype, device=args.device,
-                   linear_weights=_linear_weights(args.linear_weights, args.device, dtype))
+    def load(name):
+        dtype, linear_weights = models.resolve_load_options(name, args.device, args.dtype, args.linear_weights)
+        return models.load(name, dtype=dtype, device=args.device, linear_weights=linear_weights)
+
     print(f"loading target {args.target} ...", file=sys.stderr, flush=True)
-    target, tokenizer = models.load(args.target, **loading)
+    target, tokenizer = load(args.target)
     draft = None
     if need_draft:
         print(f"loading draft {args.draft} ...", file=sys.stderr, flush=True)
-        draft, draft_tokenizer = models.load(args.draft, **loading)
+        draft, draft_tokenizer = load(args.draft)
         check_tokenizers(tokenizer, draft_tokenizer)
     return target, draft, tokenizer
 
@@ -91,11 +82,15 @@ def _add_sampling_args(parser, temperature: float):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-                        help="auto: bfloat16 on a GPU or a CPU with AVX512-BF16, else float32")
-    parser.add_argument("--linear-weights", default="auto", choices=["auto", "same", "bfloat16"],
-                        help="dtype of the linear layers' weights; bfloat16 with --dtype float32 on "
-                             "the CPU keeps the rest float32. auto: that where the CPU linear kernel "
-                             "pays off in float32 (models.default_linear_weights), else same")
+                        help="auto: bfloat16 on a GPU; on a CPU float32 where the GGUF file's linear "
+                             "weights are read (see --linear-weights), else bfloat16 with AVX512-BF16, "
+                             "else float32 (models.default_dtype)")
+    parser.add_argument("--linear-weights", default="auto", choices=LINEAR_WEIGHTS,
+                        help="the linear layers' weights (CPU, --dtype float32): bfloat16, the rest "
+                             "float32; gguf, a GGUF checkpoint's own quantised codes (exactly its "
+                             "weights, 0.75-1.25 bytes each); same: the model's dtype. auto: gguf for "
+                             "GGUF checkpoints where its kernel pays off, else bfloat16 where the CPU "
+                             "linear kernel pays off in float32 (models.default_linear_weights)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-chat", dest="chat", action="store_false",
                         help="feed the prompt as is (default: the tokenizer's chat template)")

@@ -340,9 +340,10 @@ class HFBackend(Backend):
                  "max_new_tokens": self.max_new_tokens, "chat": self.chat,
                  "prompt_version": PROMPT_VERSION}
         # Only where set, so that the setups (resume keys) of sweeps without it keep their ids.
-        from .cpu_linear import Bfloat16WeightLinear
-        if any(isinstance(m, Bfloat16WeightLinear) for model in (self.target, self.draft) for m in model.modules()):
-            setup["linear_weights"] = "bfloat16"
+        from .cpu_linear import linear_weights_kind
+        kinds = sorted({k for k in map(linear_weights_kind, (self.target, self.draft)) if k})
+        if kinds:
+            setup["linear_weights"] = ",".join(kinds)
         return setup
 
     def prompt(self, problem: Dict[str, str]) -> str:
@@ -843,12 +844,10 @@ def load_model(spec: str, dtype: str = "float32", device: str = "cpu", linear_we
     """(model, tokenizer) for a built-in name of fsd_ext.models (the offline Qwen2.5-Coder pair,
     SmolLM2: assembled, checked and converted once into a cache), a folder, a .gguf file, or a hub
     id (which needs a network or a local cache). linear_weights: "same" (the model's dtype),
-    "bfloat16", or "auto" (models.default_linear_weights), as in `fsd-ext generate`."""
-    import torch
+    "bfloat16", "gguf", or "auto" (models.resolve_load_options), as in `fsd-ext generate`."""
     from . import models
-    from .cli import _linear_weights
-    return models.load(spec, dtype=getattr(torch, dtype), device=device,
-                       linear_weights=_linear_weights(linear_weights, device, getattr(torch, dtype)))
+    dtype, linear_weights = models.resolve_load_options(spec, device, dtype, linear_weights)
+    return models.load(spec, dtype=dtype, device=device, linear_weights=linear_weights)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -865,9 +864,9 @@ def add_arguments(parser: argparse.ArgumentParser):
                        help=f"target model: one of {', '.join(names())}, a folder, a .gguf file or a hub id")
     model.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model")
     model.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (None: fsd_ext.models.default_dtype)")
-    model.add_argument("--linear-weights", default="auto", choices=["auto", "same", "bfloat16"],
-                       help="dtype of the linear layers' weights, as in `fsd-ext generate` (auto: "
-                            "bfloat16 for float32 models on CPUs where the kernel pays off)")
+    model.add_argument("--linear-weights", default="auto", choices=["auto", "same", "bfloat16", "gguf"],
+                       help="the linear layers' weights, as in `fsd-ext generate` (auto: the GGUF "
+                            "file's codes or bfloat16 for float32 CPU models where they pay off)")
     model.add_argument("--device", default=None, help="cpu | cuda (None: cuda if available)")
     model.add_argument("--no-cuda-graphs", action="store_true", help="pass use_cuda_graphs=False")
 
@@ -1010,7 +1009,7 @@ def run_from_args(args, backend: Optional[Backend] = None) -> List[Dict[str, Any
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if not args.dtype:
         from .models import default_dtype
-        dtype = str(default_dtype(device)).removeprefix("torch.")
+        dtype = str(default_dtype(device, args.target)).removeprefix("torch.")
     else:
         dtype = args.dtype
     configs = configs_from_args(args)

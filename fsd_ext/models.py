@@ -61,30 +61,69 @@ BUILTIN = {
 DEFAULT_TARGET, DEFAULT_DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 
 
-def default_dtype(device: str) -> torch.dtype:
-    """The models' dtype when none is given: bfloat16 on a GPU, and on a CPU whose bfloat16 products
-    fsd_ext's linear kernel computes with AVX512-BF16 (decoding the Qwen pair ~1.5x as fast as in
-    float32 on an Intel Xeon: fsd_ext.cpu_linear); float32 on other CPUs, where bfloat16 was the
-    slower of the two."""
-    from .cpu_linear import bf16_dot_available
-
-    if str(device).startswith("cuda") or bf16_dot_available():
-        return torch.bfloat16
-    return torch.float32
+def gguf_checkpoint(name_or_path) -> bool:
+    """Whether `name_or_path` is a GGUF checkpoint: a built-in name (BUILTIN) or a .gguf file."""
+    path = str(name_or_path)
+    return path in BUILTIN or (path.endswith(".gguf") and Path(path).is_file())
 
 
-def default_linear_weights(device: str, dtype: torch.dtype) -> Optional[torch.dtype]:
-    """The linear layers' weight dtype when none is given (models.load's linear_weights): bfloat16
-    for float32 models on a CPU where fsd_ext's linear kernel beats torch's float32 BLAS
-    (cpu_linear.skinny_pays_off; not MKL on an Intel CPU, where it was not measured), since
-    decoding reads the weights at memory speed and the kernel reads half the bytes, widening them
-    to float32 in cache; None (the model's dtype) elsewhere, and without the compiled kernel."""
+def _gguf_linears_by_default(device: str, name_or_path) -> bool:
     from . import cpu_linear
 
-    if (str(device) == "cpu" and dtype == torch.float32 and cpu_linear._native_op() is not None
-            and cpu_linear.skinny_pays_off(torch.float32)):
+    return (str(device) == "cpu" and name_or_path is not None and gguf_checkpoint(name_or_path)
+            and cpu_linear.quant_linears_pay_off())
+
+
+def default_dtype(device: str, name_or_path=None) -> torch.dtype:
+    """The models' dtype when none is given: bfloat16 on a GPU; on a CPU float32 where the
+    checkpoint's GGUF linear weights are read by default (default_linear_weights: activations in
+    float32, the file's own weights), else bfloat16 where fsd_ext's linear kernel computes bfloat16
+    products with AVX512-BF16 (decoding the Qwen pair ~1.5x as fast as in float32 on an Intel
+    Xeon: fsd_ext.cpu_linear), float32 on other CPUs, where bfloat16 was the slower of the two."""
+    from .cpu_linear import bf16_dot_available
+
+    if str(device).startswith("cuda"):
         return torch.bfloat16
-    return None
+    if _gguf_linears_by_default(device, name_or_path):
+        return torch.float32
+    return torch.bfloat16 if bf16_dot_available() else torch.float32
+
+
+def default_linear_weights(device: str, dtype: torch.dtype, name_or_path=None):
+    """The linear layers' weights when none are given (models.load's linear_weights):
+    - "gguf" for a float32 model from a GGUF checkpoint on a CPU where fsd_ext's kernel for them
+      pays off (cpu_linear.quant_linears_pay_off): the file's own quantised codes, 0.75-1.25 bytes
+      a weight, every weight the float32 value the model had (fsd_ext.gguf_weights);
+    - else bfloat16 for float32 models on a CPU where fsd_ext's linear kernel beats torch's float32
+      BLAS (cpu_linear.skinny_pays_off; not MKL on an Intel CPU, where it was not measured), since
+      decoding reads the weights at memory speed and the kernel reads half the bytes, widening them
+      to float32 in cache;
+    - None (the model's dtype) elsewhere, and without the compiled kernel."""
+    from . import cpu_linear
+
+    if str(device) != "cpu" or dtype != torch.float32 or cpu_linear._native_op() is None:
+        return None
+    if _gguf_linears_by_default(device, name_or_path):
+        return "gguf"
+    return torch.bfloat16 if cpu_linear.skinny_pays_off(torch.float32) else None
+
+
+def resolve_load_options(name_or_path, device: str, dtype="auto", linear_weights="auto"):
+    """The one place the command line's "auto" choices are made: -> (dtype, linear_weights) for
+    models.load. dtype: "auto" (default_dtype), a torch.dtype or its name; linear_weights: "auto"
+    (default_linear_weights), "same" / None (the model's dtype), "bfloat16" / torch.bfloat16, or
+    "gguf"."""
+    if dtype == "auto" or dtype is None:
+        dtype = default_dtype(device, name_or_path)
+    elif isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    if linear_weights == "auto":
+        linear_weights = default_linear_weights(device, dtype, name_or_path)
+    elif linear_weights in ("same", None):
+        linear_weights = None
+    elif linear_weights == "bfloat16":
+        linear_weights = torch.bfloat16
+    return dtype, linear_weights
 
 
 def _transformers_major() -> int:
@@ -253,33 +292,46 @@ def resolve(name_or_path: str) -> str:
     return str(folder)
 
 
+def gguf_linears_cache(gguf: Path) -> Path:
+    """Where the repacked linear weights of a GGUF file are cached (gguf_weights)."""
+    digest = hashlib.sha1(str(gguf.resolve()).encode()).hexdigest()[:10]
+    return cache_dir() / "gguf-linears" / f"{gguf.stem}-{digest}.safetensors"
+
+
 def load(name_or_path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
          convert: bool = True, gguf_file: Optional[str] = None,
-         attn_implementation: str = "sdpa", linear_weights: Optional[torch.dtype] = None):
+         attn_implementation: str = "sdpa", linear_weights=None):
     """-> (model in eval mode, tokenizer) for a built-in name (BUILTIN), an HF directory or hub id,
     or a path to a .gguf file.
 
     gguf_file: load this GGUF file inside the directory `name_or_path` directly. convert=False:
     load a built-in checkpoint from its GGUF every time instead of the converted cache folder.
-    linear_weights: None (the weights in `dtype`) or torch.bfloat16 with dtype float32 on the CPU:
-    the linear layers' weights stored in bfloat16, the rest float32
-    (cpu_linear.store_linear_weights_bfloat16; see default_linear_weights).
+    linear_weights: None (the weights in `dtype`), or with dtype float32 on the CPU:
+    torch.bfloat16, the linear layers' weights stored in bfloat16 and the rest float32
+    (cpu_linear.store_linear_weights_bfloat16), or "gguf" for a GGUF checkpoint, the linear layers
+    reading the file's own quantised codes (gguf_weights.load_gguf_linear_weights; the repacked
+    codes are cached, see gguf_linears_cache). See default_linear_weights.
     """
-    if linear_weights not in (None, dtype) and not (
-            linear_weights == torch.bfloat16 and dtype == torch.float32 and str(device) == "cpu"):
-        raise ValueError(f"linear_weights must be None, the model's dtype, or torch.bfloat16 with "
-                         f"dtype float32 on the CPU, got {linear_weights} with {dtype} on {device}")
+    float32_cpu = dtype == torch.float32 and str(device) == "cpu"
+    if linear_weights not in (None, dtype) and not (linear_weights in (torch.bfloat16, "gguf") and float32_cpu):
+        raise ValueError(f"linear_weights must be None, the model's dtype, or torch.bfloat16 or 'gguf' "
+                         f"with dtype float32 on the CPU, got {linear_weights} with {dtype} on {device}")
+    if linear_weights == "gguf" and not (gguf_file or gguf_checkpoint(name_or_path)):
+        raise ValueError(f"linear_weights='gguf' needs a GGUF checkpoint (a built-in name or a .gguf "
+                         f"file), got {name_or_path!r}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {}
     if gguf_file is None and str(name_or_path).endswith(".gguf") and Path(name_or_path).is_file():
         name_or_path, gguf_file = str(Path(name_or_path).parent), Path(name_or_path).name
-    if name_or_path in BUILTIN and not convert:
-        gguf = assemble_gguf(BUILTIN[name_or_path])
-        name_or_path, gguf_file = str(gguf.parent), gguf.name
-    else:
+    gguf = Path(name_or_path) / gguf_file if gguf_file is not None else None
+    if name_or_path in BUILTIN:
+        gguf = assemble_gguf(BUILTIN[name_or_path]) if linear_weights == "gguf" or not convert else None
+        if not convert:
+            name_or_path, gguf_file = str(gguf.parent), gguf.name
+    if gguf_file is None:
         name_or_path = resolve(name_or_path)
-    if gguf_file is not None:
+    else:
         kwargs["gguf_file"] = gguf_file
     tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
     kwargs["dtype" if _TRANSFORMERS_MAJOR >= 5 else "torch_dtype"] = dtype
@@ -291,6 +343,9 @@ def load(name_or_path: str, dtype: torch.dtype = torch.float32, device: str = "c
     if linear_weights == torch.bfloat16 and dtype == torch.float32:
         from .cpu_linear import store_linear_weights_bfloat16
         store_linear_weights_bfloat16(model)
+    elif linear_weights == "gguf":
+        from .gguf_weights import load_gguf_linear_weights
+        load_gguf_linear_weights(model, gguf, cache_path=gguf_linears_cache(gguf))
     return model, tokenizer
 
 

@@ -1,0 +1,388 @@
+"""fsd_ext.gguf_weights and cpu_linear.QuantWeightLinear: a GGUF file's quantised linear weights,
+repacked, are exactly the float32 weights gguf-py's dequantisation gives (bit for bit, every
+supported type), the layers compute F.linear of them up to float rounding on every path, and a
+model's linear layers are swapped only where the file holds exactly their weights."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+from fsd_ext import cpu_linear, gguf_weights, models, ops  # noqa: E402
+from fsd_ext.cpu_linear import MAX_ROWS, QuantWeightLinear, dequantize_torch  # noqa: E402
+
+needs_ext = pytest.mark.skipif(ops._IMPORT_ERROR is not None, reason="extension not built")
+QT = gguf.GGMLQuantizationType
+
+# Byte offsets of each type's float16 fields (set to finite values; every other bit pattern of a
+# block is a valid block).
+FLOAT16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q6_K": (208,)}
+
+
+# A byte of the first block holding (the low bits of) one code.
+CODE_BYTE = {"Q4_0": 5, "Q4_1": 7, "Q4_K": 20, "Q5_0": 10, "Q8_0": 10, "Q6_K": 3}
+
+
+# float16 fields of this size give weights of about a model's size (std ~0.01-0.05).
+MODEL_SIZED = {"Q4_0": 0.01, "Q4_1": 0.01, "Q4_K": 2e-4, "Q5_0": 5e-3, "Q8_0": 5e-4, "Q6_K": 3e-5}
+
+
+def random_blocks(type_name: str, rows: int, in_features: int, seed: int = 0, field_max: float = 0.05) -> np.ndarray:
+    """Random raw data of a [rows, in_features] matrix of `type_name`, as GGUFReader returns it
+    (its float16 fields uniform in +-field_max)."""
+    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[QT[type_name]]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * in_features // block_weights, block_bytes), dtype=np.uint8)
+    for start in FLOAT16_FIELDS[type_name]:
+        values = rng.uniform(-field_max, field_max, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, start:start + 2] = values.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    """Bit patterns, with -0.0 as +0.0 (gguf-py's d * (q - 8) is -0.0 for a negative d where the
+    kernel's fma(q, d, -8d) is +0.0: the same value in every sum and product)."""
+    return (np.ascontiguousarray(a, dtype=np.float32) + np.float32(0.0)).view(np.uint32)
+
+
+@pytest.mark.parametrize("type_name", gguf_weights.SUPPORTED_TYPES)
+def test_unpack_is_gguf_dequantize_to_the_bit(type_name):
+    in_features = 512
+    raw = random_blocks(type_name, 6, in_features)
+    expected = gguf.quants.dequantize(raw, QT[type_name])  # [6, 512] float32
+    unpacked = gguf_weights.unpack(raw, type_name, in_features)
+    assert unpacked.codes.shape == (6, in_features)
+    assert np.array_equal(bits(unpacked.dequantize()), bits(expected))
+    # The comparison sees a single changed code (one weight moves, by one scale step).
+    tampered = raw.copy()
+    tampered[0, CODE_BYTE[type_name]] ^= 0x01
+    changed = bits(gguf_weights.unpack(tampered, type_name, in_features).dequantize()) != bits(expected)
+    assert changed.sum() == 1
+
+
+def test_unpack_checks_the_row_size():
+    with pytest.raises(ValueError, match="takes 36 bytes"):
+        gguf_weights.unpack(np.zeros((2, 30), np.uint8), "Q4_0", 64)
+    with pytest.raises(ValueError, match="not one of"):
+        gguf_weights.unpack(np.zeros((2, 30), np.uint8), "Q2_K", 256)
+
+
+def quant_layer(type_name: str, out: int, in_features: int, bias: bool = False, seed: int = 0):
+    """(QuantWeightLinear, its float32 weight from gguf-py, bias or None) for random blocks."""
+    raw = random_blocks(type_name, out, in_features, seed)
+    unpacked = gguf_weights.unpack(raw, type_name, in_features)
+    codes, params = gguf_weights.pack(unpacked)
+    b = torch.randn(out, generator=torch.Generator().manual_seed(seed)) if bias else None
+    layer = QuantWeightLinear(codes, params, unpacked.format, in_features, out, bias=b, source=type_name)
+    return layer, torch.from_numpy(gguf.quants.dequantize(raw, QT[type_name])), b
+
+
+@pytest.mark.parametrize("type_name", gguf_weights.SUPPORTED_TYPES)
+@pytest.mark.parametrize("out", [1, 6, 67])
+def test_packed_weights_are_exact_on_every_path(monkeypatch, type_name, out):
+    layer, weight, _ = quant_layer(type_name, out, 256)
+    assert torch.equal(dequantize_torch(layer.codes, layer.params, layer.format, out), weight)
+    assert torch.equal(layer.dequantized_weight(), weight)  # the kernel where built
+    monkeypatch.setattr(cpu_linear, "_native_op", lambda: None)
+    assert torch.equal(layer.dequantized_weight(), weight)
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def path(request, monkeypatch):
+    """QuantWeightLinear through the compiled kernel, and through its torch-ops fallback."""
+    if request.param == "kernel" and ops._IMPORT_ERROR is not None:
+        pytest.skip("extension not built")
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_linear, "_native_op", lambda: None)
+    return request.param
+
+
+def assert_float32_product(y, x, weight, bias=None):
+    """y is x W^T + bias up to float32 rounding: within 1e-5 of the sum of |terms| of the float64
+    product (the random blocks' weights reach the hundreds, so outputs cancel)."""
+    exact = x.double() @ weight.double().t()
+    magnitude = x.double().abs() @ weight.double().abs().t()
+    if bias is not None:
+        exact, magnitude = exact + bias.double(), magnitude + bias.double().abs()
+    assert ((y.double() - exact).abs() <= 1e-5 * magnitude + 1e-6).all()
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("shape", [(1, 256), (6, 256), (2, 3, 256), (MAX_ROWS, 256), (MAX_ROWS + 1, 256),
+                                   (1, 45, 256)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_forward_matches_f_linear(path, type_name, shape, bias):
+    """Decoding rows (the kernel), prompt rows (blockwise dequantise + mm), both against F.linear."""
+    layer, weight, b = quant_layer(type_name, 131, 256, bias=bias)
+    layer.prompt_dtype = torch.float32
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        y = layer(x)
+    assert y.shape == (*shape[:-1], 131) and y.dtype == torch.float32
+    assert_float32_product(y, x, weight, b)
+
+
+@needs_ext
+def test_prompt_rows_in_bfloat16():
+    """prompt_dtype bfloat16 (auto on CPUs with AVX512-BF16): more than MAX_ROWS rows multiply the
+    weights and inputs rounded to bfloat16, as a bfloat16 model's prompt does; fewer stay exact."""
+    layer, weight, b = quant_layer("Q4_K", 131, 256, bias=True)
+    assert layer.prompt_matmul_dtype() == (torch.bfloat16 if cpu_linear.bf16_dot_available() else torch.float32)
+    assert cpu_linear.set_prompt_dtype(torch.nn.Sequential(layer), torch.bfloat16) == 1
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        y = layer(x)
+        expected = F.linear(x.bfloat16(), weight.bfloat16()).float() + b
+        torch.testing.assert_close(y, expected, rtol=1e-2, atol=1e-2)
+        assert not torch.allclose(y, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)  # not float32
+        assert_float32_product(layer(x[:MAX_ROWS]), x[:MAX_ROWS], weight, b)
+    with pytest.raises(ValueError, match="dtype must be"):
+        cpu_linear.set_prompt_dtype(layer, torch.float16)
+
+
+def test_forward_casts_other_dtypes_and_backpropagates():
+    layer, weight, b = quant_layer("Q4_K", 20, 256, bias=True)
+    x = torch.randn(3, 256)
+    y16 = layer(x.bfloat16())
+    assert y16.dtype == torch.bfloat16
+    assert torch.equal(y16, layer(x.bfloat16().float()).bfloat16())
+    x.requires_grad_(True)
+    layer(x).sum().backward()  # autograd: through the dequantised weight (the codes get no gradient)
+    torch.testing.assert_close(x.grad, weight.sum(0).expand(3, -1), rtol=1e-5, atol=1e-5)
+
+
+@needs_ext
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_kernel_matches_float64_on_model_sizes(type_name):
+    """Every row count 1..16 on the 1.5B model's down projection shape, against float64."""
+    layer, weight, _ = quant_layer(type_name, 96, 8960)
+    for rows in range(1, MAX_ROWS + 1):
+        x = torch.randn(rows, 8960, generator=torch.Generator().manual_seed(rows))
+        with torch.no_grad():
+            assert_float32_product(layer(x), x, weight)
+
+
+def test_constructor_checks_shapes():
+    layer, _, _ = quant_layer("Q4_K", 8, 256)
+    with pytest.raises(ValueError, match="codes must be uint8"):
+        QuantWeightLinear(layer.codes[:1], layer.params, "q4", 256, 8)
+    with pytest.raises(ValueError, match="params must be float32"):
+        QuantWeightLinear(layer.codes, layer.params.double(), "q4", 256, 8)
+    with pytest.raises(ValueError, match="format must be"):
+        QuantWeightLinear(layer.codes, layer.params, "q5", 256, 8)
+
+
+@needs_ext
+@pytest.mark.parametrize("call,match", [
+    (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x, c.int(), p, 0, 8, None), "codes must be a contiguous uint8"),
+    (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x, c, p[..., :4].contiguous(), 0, 8, None), "params must be"),
+    (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x, c, p, 2, 8, None), "format must be 0"),
+    (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x, c, p, 0, 9, None), r"out_features must be in \(4, 8\]"),
+    (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x[:, :32], c, p, 0, 8, None), r"x must be \[..., 256\]"),
+    (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x.double(), c, p, 0, 8, None), "x must be float32"),
+    (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x.expand(17, 256), c, p, 0, 8, None), "1 to 16 rows"),
+    (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x, c, p, 0, 8, torch.zeros(7)), r"bias must be a float32 \[8\]"),
+    (lambda c, p, x: torch.ops.fsd_ext.quant_dequantize(c, p, 1, 8), "params must be"),
+])
+def test_ops_reject_bad_arguments(call, match):
+    layer, _, _ = quant_layer("Q4_K", 8, 256)
+    with pytest.raises(RuntimeError, match=match):
+        call(layer.codes, layer.params, torch.randn(1, 256))
+
+
+@needs_ext
+def test_opcheck():
+    layer, _, _ = quant_layer("Q6_K", 10, 256, bias=True)
+    x = torch.randn(3, 256)
+    torch.library.opcheck(torch.ops.fsd_ext.quant_linear.default, (x, layer.codes, layer.params, 1, 10, layer.bias))
+    torch.library.opcheck(torch.ops.fsd_ext.quant_dequantize.default, (layer.codes, layer.params, 1, 10))
+
+
+# ----------------------------------------------------------------------------------------------
+# Models: a tiny random model and a GGUF file written to hold exactly its weights.
+
+QWEN_TYPES = {"q_proj": "Q4_K", "k_proj": "Q6_K", "v_proj": "Q8_0", "o_proj": "Q4_0",
+              "gate_proj": "Q4_1", "up_proj": "Q5_0", "down_proj": "Q4_K"}
+GGUF_NAMES = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+              "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+def tiny_model(arch: str, seed: int = 0):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    if arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=False))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, tie_word_embeddings=True))
+    return model.eval()
+
+
+def llama_cpp_row_order(out: int, heads: int) -> np.ndarray:
+    """llama.cpp's converter's row order of q / k (HF row index of each GGUF row)."""
+    return np.arange(out).reshape(heads, 2, out // heads // 2).swapaxes(1, 2).reshape(-1)
+
+
+def write_gguf(model, arch: str, path, *, permute: bool = True, f16_layer: str = "model.layers.1.mlp.up_proj"):
+    """Write a GGUF file whose tensors hold model's linear weights in the types of QWEN_TYPES (the
+    output layer Q6_K; `f16_layer` as F16), and set the model's weights to the file's values."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    config = model.config
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if name == "lm_head":
+            if config.tie_word_embeddings:
+                continue  # the file holds token_embd only (written below)
+            gguf_name, type_name = "output.weight", "Q6_K"
+        else:
+            layer, kind = name.split(".")[2], name.split(".")[-1]
+            gguf_name, type_name = f"blk.{layer}.{GGUF_NAMES[kind]}.weight", QWEN_TYPES[kind]
+        out, in_features = module.weight.shape
+        if name == f16_layer:
+            weight = module.weight.detach().numpy().astype(np.float16)
+            writer.add_tensor(gguf_name, weight)
+            module.weight.data = torch.from_numpy(weight.astype(np.float32))
+            continue
+        raw = random_blocks(type_name, out, in_features, seed=zlib.crc32(name.encode()),
+                            field_max=MODEL_SIZED[type_name])
+        weight = gguf.quants.dequantize(raw, QT[type_name])
+        if arch == "llama" and permute and name.endswith(("q_proj", "k_proj")):
+            heads = config.num_attention_heads if name.endswith("q_proj") else config.num_key_value_heads
+            weight = weight[llama_cpp_row_order(out, heads).argsort()]  # the HF rows of the file's
+        writer.add_tensor(gguf_name, raw, raw_dtype=QT[type_name])
+        module.weight.data = torch.from_numpy(np.ascontiguousarray(weight))
+    if config.tie_word_embeddings:
+        raw = random_blocks("Q4_K", config.vocab_size, config.hidden_size, seed=7, field_max=MODEL_SIZED["Q4_K"])
+        writer.add_tensor("token_embd.weight", raw, raw_dtype=QT.Q4_K)
+        model.get_input_embeddings().weight.data = torch.from_numpy(gguf.quants.dequantize(raw, QT.Q4_K))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_model_layers_swapped_where_the_file_holds_their_weights(tmp_path, arch):
+    model = tiny_model(arch)
+    write_gguf(model, arch, tmp_path / "tiny.gguf")
+    model.model.layers[0].mlp.down_proj.weight.data[3, 5] += 1e-3  # no longer the file's weights
+    reference = tiny_model(arch)
+    reference.load_state_dict(model.state_dict())
+    report = gguf_weights.load_gguf_linear_weights(model, tmp_path / "tiny.gguf", log=False)
+    cpu_linear.set_prompt_dtype(model, torch.float32)  # the 18-row prompt below: exact too
+    assert report.kept == {"model.layers.1.mlp.up_proj": "GGUF type F16",
+                           "model.layers.0.mlp.down_proj": "weights differ from the file's"}
+    assert len(report.replaced) == 2 * 7 + 1 - 2
+    expected_lm_head = "Q4_K" if arch == "llama" else "Q6_K"  # llama here: tied, token_embd
+    assert report.replaced["lm_head"] == expected_lm_head
+    assert report.replaced["model.layers.0.self_attn.q_proj"] == "Q4_K"
+    assert isinstance(model.model.layers[1].self_attn.k_proj, QuantWeightLinear)
+    assert type(model.model.layers[1].mlp.up_proj) is torch.nn.Linear
+    assert cpu_linear.linear_weights_kind(model) == "gguf"
+    ids = torch.randint(0, 320, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for tokens in (ids, ids[:1, :1], ids[:, :6]):  # a prompt, a decoding step, a verification
+            torch.testing.assert_close(model(tokens).logits, reference(tokens).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_llama_rows_are_reordered_back(tmp_path):
+    """Negative control: a llama file whose q / k rows are in HF's order does not hold the model's
+    weights under llama.cpp's convention, so those layers are kept."""
+    model = tiny_model("llama")
+    write_gguf(model, "llama", tmp_path / "tiny.gguf", permute=False)
+    report = gguf_weights.load_gguf_linear_weights(model, tmp_path / "tiny.gguf", log=False)
+    kept = {name for name, reason in report.kept.items() if reason == "weights differ from the file's"}
+    assert kept == {f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "k_proj")}
+
+
+def test_cache_is_reused_and_checked(tmp_path):
+    model = tiny_model("qwen2")
+    write_gguf(model, "qwen2", tmp_path / "tiny.gguf")
+    state = model.state_dict()
+    cache = tmp_path / "cache" / "tiny.safetensors"
+    first = gguf_weights.load_gguf_linear_weights(model, tmp_path / "tiny.gguf", cache_path=cache, log=False)
+    assert not first.cached and cache.exists()
+    again = tiny_model("qwen2")
+    again.load_state_dict(state)
+    second = gguf_weights.load_gguf_linear_weights(again, tmp_path / "tiny.gguf", cache_path=cache, log=False)
+    assert second.cached and second.replaced == first.replaced and second.kept == first.kept
+    for name in first.replaced:
+        assert torch.equal(again.get_submodule(name).codes, model.get_submodule(name).codes)
+    # Another model (other weights) does not take the cache: its layers are checked and kept.
+    other = tiny_model("qwen2", seed=1)
+    third = gguf_weights.load_gguf_linear_weights(other, tmp_path / "tiny.gguf", cache_path=cache, log=False)
+    assert not third.cached and not third.replaced
+    # A rewritten file (another modification time) makes the cache stale.
+    os.utime(tmp_path / "tiny.gguf", ns=(1, 1))
+    fresh = tiny_model("qwen2")
+    fresh.load_state_dict(state)
+    assert not gguf_weights.load_gguf_linear_weights(fresh, tmp_path / "tiny.gguf", cache_path=cache, log=False).cached
+
+
+def test_generate_gives_the_float_models_tokens(tmp_path):
+    from fsd_ext import generate
+
+    target, draft = tiny_model("qwen2", seed=0), tiny_model("qwen2", seed=1)
+    write_gguf(target, "qwen2", tmp_path / "t.gguf")
+    write_gguf(draft, "qwen2", tmp_path / "d.gguf")
+    ids = torch.randint(0, 320, (2, 7), generator=torch.Generator().manual_seed(4))
+    expected = {rule: generate(target, draft, ids, rule=rule, temperature=0.0, max_new_tokens=12, seed=0).sequences
+                for rule in ("ar", "fsd")}
+    gguf_weights.load_gguf_linear_weights(target, tmp_path / "t.gguf", log=False)
+    gguf_weights.load_gguf_linear_weights(draft, tmp_path / "d.gguf", log=False)
+    cpu_linear.set_prompt_dtype(target, torch.float32)
+    cpu_linear.set_prompt_dtype(draft, torch.float32)
+    for rule in ("ar", "fsd"):
+        out = generate(target, draft, ids, rule=rule, temperature=0.0, max_new_tokens=12, seed=0)
+        assert torch.equal(out.sequences, expected[rule])
+
+
+# ----------------------------------------------------------------------------------------------
+# models.load options.
+
+def test_load_rejects_gguf_weights_without_a_gguf_checkpoint():
+    with pytest.raises(ValueError, match="needs a GGUF checkpoint"):
+        models.load("some/hf-folder", dtype=torch.float32, linear_weights="gguf")
+    with pytest.raises(ValueError, match="linear_weights must be"):
+        models.load("qwen2.5-coder-0.5b", dtype=torch.bfloat16, linear_weights="gguf")
+
+
+@pytest.mark.parametrize("path_name,built,device,expected", [
+    ("avx512", True, "cpu", ("float32", "gguf")),
+    ("avx2", True, "cpu", (None, None)),
+    ("avx512", False, "cpu", (None, None)),
+    ("avx512", True, "cuda", ("bfloat16", None)),
+])
+def test_resolve_load_options(monkeypatch, path_name, built, device, expected):
+    monkeypatch.setattr(cpu_linear, "quant_linear_path", lambda: path_name)
+    monkeypatch.setattr(cpu_linear, "_native_op", lambda: (lambda *a: None) if built else None)
+    dtype, weights = models.resolve_load_options("qwen2.5-coder-1.5b", device)
+    if expected[0] is not None:
+        assert (str(dtype).removeprefix("torch."), weights) == expected
+    else:  # the earlier rules: bfloat16 models with AVX512-BF16, bfloat16 linear weights elsewhere
+        assert weights != "gguf"
+    assert models.resolve_load_options("some/hf-folder", device)[1] != "gguf"
+    assert models.resolve_load_options("qwen2.5-coder-1.5b", device, "float32", "same") == (torch.float32, None)
+
+
+@pytest.mark.slow
+def test_smollm2_real_file(tmp_path, monkeypatch):
+    """A real llama-architecture GGUF file (SmolLM2-135M, Q4_1 mostly): every linear layer swapped
+    (q / k reordered back), and the logits those of the float32 model."""
+    monkeypatch.setenv("FSD_EXT_CACHE", str(tmp_path))
+    reference, tokenizer = models.load("smollm2-135m", dtype=torch.float32)
+    model, _ = models.load("smollm2-135m", dtype=torch.float32, linear_weights="gguf")
+    assert all(type(m) is not torch.nn.Linear for m in model.modules())
+    cpu_linear.set_prompt_dtype(model, torch.float32)
+    ids = tokenizer(["def fibonacci(n):"], return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
