@@ -1,6 +1,9 @@
 """Microbenchmark of the few-row CPU linear of decoding: fsd_ext's kernel (fsd_ext.cpu_linear,
 csrc/fsd/cpu/skinny_gemm.cpp) against torch's F.linear, at the row counts speculative decoding
 multiplies (1: a draft or AR step, 2: the draft's catch-up, K + 1: the target's verification).
+With --dtype q4 / q8 the kernel is the one for a GGUF file's quantised weights
+(cpu_linear.QuantWeightLinear, csrc/fsd/cpu/quant_gemm.cpp; random codes), against the bfloat16
+kernel above (what a bfloat16 model runs) and F.linear in float32.
 
 Decoding reads each weight matrix once per forward from memory, not from cache, so each shape runs
 on a set of distinct copies larger than the CPU's last-level cache (--set-mb), cycled through; the
@@ -11,6 +14,7 @@ that a change of the machine's load hits them alike; the median is reported.
 
     python benchmarks/bench_cpu_linear.py                  # both models' shapes, bfloat16
     python benchmarks/bench_cpu_linear.py --shapes 0.5b --dtype float32 --rows 1,2 --threads 2
+    python benchmarks/bench_cpu_linear.py --dtype q4 --rows 1,2,6 --threads 2
 
 Writes benchmarks/results/bench_cpu_linear.json.
 """
@@ -54,11 +58,24 @@ def read_bandwidth(megabytes: int, repeats: int) -> float:
     return buffer.numel() * 4 / statistics.median(times)
 
 
-def weight_set(out: int, inp: int, dtype: torch.dtype, set_mb: int) -> list:
-    """Distinct copies of an [out, in] matrix, together at least set_mb (one copy if larger)."""
-    one = out * inp * torch.finfo(dtype).bits // 8
-    copies = max(1, -(-set_mb * 2**20 // one))
+def weight_set(out: int, inp: int, dtype, set_mb: int) -> list:
+    """Distinct copies of an [out, in] matrix, together at least set_mb (one copy if larger):
+    tensors of `dtype`, or for "q4" / "q8" QuantWeightLinear layers with random codes."""
+    bytes_per_weight = {"q4": 0.75, "q8": 1.25}.get(dtype) or torch.finfo(dtype).bits / 8
+    copies = max(1, -(-set_mb * 2**20 // int(out * inp * bytes_per_weight)))
+    if dtype in ("q4", "q8"):
+        group, params = (32, 8) if dtype == "q4" else (16, 4)
+        blocks = -(-out // 4)
+        return [cpu_linear.QuantWeightLinear(torch.randint(0, 256, (blocks, inp // group, 64), dtype=torch.uint8),
+                                             torch.rand(blocks, inp // group, params) * 0.01, dtype, inp, out)
+                for _ in range(copies)]
     return [torch.randn(out, inp).to(dtype) for _ in range(copies)]
+
+
+def weight_bytes(weight) -> int:
+    if isinstance(weight, torch.Tensor):
+        return weight.numel() * weight.element_size()
+    return weight.codes.numel() + 4 * weight.params.numel()
 
 
 def time_per_product(fn, x, weights) -> float:
@@ -74,7 +91,8 @@ def main(argv=None):
     parser.add_argument("--shapes", default=",".join(SHAPES),
                         help=f"of {', '.join(SHAPES)}; a prefix (1.5b, 0.5b) takes all of a model's")
     parser.add_argument("--rows", default="1,2,4,6")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "q4", "q8"], default="bfloat16",
+                        help="the weights' dtype; q4 / q8: the quantised-weight kernel")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--set-mb", type=int, default=512,
                         help="weights cycled through per shape: more than the last-level cache")
@@ -90,50 +108,65 @@ def main(argv=None):
              if name == wanted or name.startswith(wanted + "/")]
     if not names:
         parser.error(f"--shapes {args.shapes!r} names none of {', '.join(SHAPES)}")
-    dtype = getattr(torch, args.dtype)
+    quant = args.dtype in ("q4", "q8")
     rows_list = [int(r) for r in args.rows.split(",")]
-    paths = {"kernel": lambda x, w: native(x, w, None), "F.linear": lambda x, w: F.linear(x, w)}
+    # path -> (function of x and one weight, the weights' dtype, the inputs' dtype)
+    if quant:
+        paths = {"kernel": (lambda x, layer: layer(x), args.dtype, torch.float32),
+                 "bf16 kernel": (lambda x, w: native(x, w, None), torch.bfloat16, torch.bfloat16),
+                 "F.linear": (lambda x, w: F.linear(x, w), torch.float32, torch.float32)}
+    else:
+        dtype = getattr(torch, args.dtype)
+        paths = {"kernel": (lambda x, w: native(x, w, None), dtype, dtype),
+                 "F.linear": (lambda x, w: F.linear(x, w), dtype, dtype)}
 
     bandwidth = read_bandwidth(args.set_mb, args.repeats)
     results = []
     torch.manual_seed(0)
     for name in names:
         out, inp = SHAPES[name]
-        weights = weight_set(out, inp, dtype, args.set_mb)
-        xs = {rows: torch.randn(rows, inp).to(dtype) for rows in rows_list}
+        weights = {path: weight_set(out, inp, w_dtype, args.set_mb) for path, (_, w_dtype, _) in paths.items()}
+        xs = {(rows, path): torch.randn(rows, inp).to(x_dtype)
+              for rows in rows_list for path, (_, _, x_dtype) in paths.items()}
         times = {(rows, path): [] for rows in rows_list for path in paths}
         with torch.no_grad():
             for rows in rows_list:  # warm-up: first-call allocations, page faults
-                for fn in paths.values():
-                    time_per_product(fn, xs[rows], weights)
+                for path, (fn, _, _) in paths.items():
+                    time_per_product(fn, xs[(rows, path)], weights[path])
             for _ in range(args.repeats):
                 for rows in rows_list:
-                    for path, fn in paths.items():
-                        times[(rows, path)].append(time_per_product(fn, xs[rows], weights))
-        weight_bytes = weights[0].numel() * weights[0].element_size()
+                    for path, (fn, _, _) in paths.items():
+                        times[(rows, path)].append(time_per_product(fn, xs[(rows, path)], weights[path]))
+        kernel_bytes = weight_bytes(weights["kernel"][0])
         for rows in rows_list:
             kernel = statistics.median(times[(rows, "kernel")])
             linear = statistics.median(times[(rows, "F.linear")])
-            results.append(dict(shape=name, out=out, inp=inp, rows=rows, kernel_ms=kernel * 1e3,
-                                f_linear_ms=linear * 1e3, kernel_gb_s=weight_bytes / kernel / 1e9,
-                                kernel_share_of_read_bw=weight_bytes / kernel / bandwidth,
-                                f_linear_over_kernel=linear / kernel))
+            row = dict(shape=name, out=out, inp=inp, rows=rows, kernel_ms=kernel * 1e3,
+                       f_linear_ms=linear * 1e3, kernel_gb_s=kernel_bytes / kernel / 1e9,
+                       kernel_share_of_read_bw=kernel_bytes / kernel / bandwidth,
+                       f_linear_over_kernel=linear / kernel)
+            if quant:
+                bf16 = statistics.median(times[(rows, "bf16 kernel")])
+                row.update(bf16_kernel_ms=bf16 * 1e3, bf16_kernel_over_kernel=bf16 / kernel)
+            results.append(row)
         del weights
 
     print(f"{args.dtype}, {torch.get_num_threads()} threads, {os.cpu_count()} cores, "
           f"AVX512-BF16 path: {cpu_linear.bf16_dot_available()}; read bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s; median of {args.repeats}")
+    bf16_header = f" {'bf16 kernel ms':>15} {'bf16/kernel':>12}" if quant else ""
     print(f"{'shape':<15} {'out x in':>12} {'rows':>4} {'kernel ms':>10} {'GB/s':>6} {'% read bw':>9} "
-          f"{'F.linear ms':>12} {'F.linear/kernel':>16}")
+          f"{'F.linear ms':>12} {'F.linear/kernel':>16}{bf16_header}")
     for r in results:
+        bf16_cells = f" {r['bf16_kernel_ms']:>15.3f} {r['bf16_kernel_over_kernel']:>11.2f}x" if quant else ""
         print(f"{r['shape']:<15} {r['out']:>6}x{r['inp']:<5} {r['rows']:>4} {r['kernel_ms']:>10.3f} "
               f"{r['kernel_gb_s']:>6.1f} {100 * r['kernel_share_of_read_bw']:>8.0f}% "
-              f"{r['f_linear_ms']:>12.3f} {r['f_linear_over_kernel']:>15.2f}x")
+              f"{r['f_linear_ms']:>12.3f} {r['f_linear_over_kernel']:>15.2f}x{bf16_cells}")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     meta = dict(vars(args), read_bandwidth_gb_s=bandwidth / 1e9, machine=platform.machine(),
                 cpu_vendor=cpu_linear.cpu_vendor(), cpu_count=os.cpu_count(),
                 threads=torch.get_num_threads(), torch=torch.__version__,
-                bf16_dot=cpu_linear.bf16_dot_available())
+                bf16_dot=cpu_linear.bf16_dot_available(), quant_path=cpu_linear.quant_linear_path())
     Path(args.output).write_text(json.dumps(dict(meta=meta, results=results), indent=2))
     print(f"wrote {args.output}", file=sys.stderr)
     return results

@@ -205,7 +205,8 @@ def test_cpu_vendor_reads_this_machine():
 
 
 @needs_ext
-def test_bench_cpu_linear_runs(tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "q4"])
+def test_bench_cpu_linear_runs(tmp_path, dtype):
     """benchmarks/bench_cpu_linear.py on one small shape: a row per (shape, rows), written out."""
     import importlib.util
     import json
@@ -217,10 +218,11 @@ def test_bench_cpu_linear_runs(tmp_path):
     spec.loader.exec_module(bench)
     output = tmp_path / "out.json"
     rows = bench.main(["--shapes", "0.5b/k_proj,1.5b/k_proj", "--rows", "1,3", "--repeats", "1",
-                       "--set-mb", "1", "--output", str(output)])
+                       "--set-mb", "1", "--dtype", dtype, "--output", str(output)])
     assert [(r["shape"], r["rows"]) for r in rows] == [
         ("0.5b/k_proj", 1), ("0.5b/k_proj", 3), ("1.5b/k_proj", 1), ("1.5b/k_proj", 3)]
     assert all(r["kernel_ms"] > 0 and r["f_linear_over_kernel"] > 0 for r in rows)
+    assert all((r.get("bf16_kernel_over_kernel", 0) > 0) == (dtype == "q4") for r in rows)
     assert json.loads(output.read_text())["results"] == rows
     with pytest.raises(SystemExit):  # a misspelt shape is an error, not an empty table
         bench.main(["--shapes", "0.5b/kproj", "--output", str(output)])
