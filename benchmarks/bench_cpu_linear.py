@@ -3,7 +3,8 @@ csrc/fsd/cpu/skinny_gemm.cpp) against torch's F.linear, at the row counts specul
 multiplies (1: a draft or AR step, 2: the draft's catch-up, K + 1: the target's verification).
 With --dtype q4 / q8 the kernel is the one for a GGUF file's quantised weights
 (cpu_linear.QuantWeightLinear, csrc/fsd/cpu/quant_gemm.cpp; random codes), against the bfloat16
-kernel above (what a bfloat16 model runs) and F.linear in float32.
+kernel above (what a bfloat16 model runs) and F.linear in float32, and where the CPU has AMX-BF16,
+against itself with its AMX path off (the AVX-512 loops; csrc/fsd/cpu/quant_amx.cpp).
 
 Decoding reads each weight matrix once per forward from memory, not from cache, so each shape runs
 on a set of distinct copies larger than the CPU's last-level cache (--set-mb), cycled through; the
@@ -22,6 +23,7 @@ Writes benchmarks/results/bench_cpu_linear.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -78,11 +80,15 @@ def weight_bytes(weight) -> int:
     return weight.codes.numel() + 4 * weight.params.numel()
 
 
-def time_per_product(fn, x, weights) -> float:
-    start = time.perf_counter()
-    for w in weights:
-        fn(x, w)
-    return (time.perf_counter() - start) / len(weights)
+NO_AMX = "kernel, no AMX"
+
+
+def time_per_product(fn, x, weights, path: str = "") -> float:
+    with cpu_linear.use_quant_amx(False) if path == NO_AMX else contextlib.nullcontext():
+        start = time.perf_counter()
+        for w in weights:
+            fn(x, w)
+        return (time.perf_counter() - start) / len(weights)
 
 
 def main(argv=None):
@@ -115,6 +121,8 @@ def main(argv=None):
         paths = {"kernel": (lambda x, layer: layer(x), args.dtype, torch.float32),
                  "bf16 kernel": (lambda x, w: native(x, w, None), torch.bfloat16, torch.bfloat16),
                  "F.linear": (lambda x, w: F.linear(x, w), torch.float32, torch.float32)}
+        if cpu_linear.quant_linear_amx():  # the same kernel with its AMX path off: the vector loops
+            paths[NO_AMX] = paths["kernel"]
     else:
         dtype = getattr(torch, args.dtype)
         paths = {"kernel": (lambda x, w: native(x, w, None), dtype, dtype),
@@ -132,11 +140,11 @@ def main(argv=None):
         with torch.no_grad():
             for rows in rows_list:  # warm-up: first-call allocations, page faults
                 for path, (fn, _, _) in paths.items():
-                    time_per_product(fn, xs[(rows, path)], weights[path])
+                    time_per_product(fn, xs[(rows, path)], weights[path], path)
             for _ in range(args.repeats):
                 for rows in rows_list:
                     for path, (fn, _, _) in paths.items():
-                        times[(rows, path)].append(time_per_product(fn, xs[(rows, path)], weights[path]))
+                        times[(rows, path)].append(time_per_product(fn, xs[(rows, path)], weights[path], path))
         kernel_bytes = weight_bytes(weights["kernel"][0])
         for rows in rows_list:
             kernel = statistics.median(times[(rows, "kernel")])
@@ -148,6 +156,9 @@ def main(argv=None):
             if quant:
                 bf16 = statistics.median(times[(rows, "bf16 kernel")])
                 row.update(bf16_kernel_ms=bf16 * 1e3, bf16_kernel_over_kernel=bf16 / kernel)
+            if NO_AMX in paths:
+                vector = statistics.median(times[(rows, NO_AMX)])
+                row.update(no_amx_kernel_ms=vector * 1e3, no_amx_over_kernel=vector / kernel)
             results.append(row)
         del weights
 
@@ -155,10 +166,14 @@ def main(argv=None):
           f"AVX512-BF16 path: {cpu_linear.bf16_dot_available()}; read bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s; median of {args.repeats}")
     bf16_header = f" {'bf16 kernel ms':>15} {'bf16/kernel':>12}" if quant else ""
+    if NO_AMX in paths:
+        bf16_header += f" {'no-AMX ms':>10} {'no-AMX/kernel':>14}"
     print(f"{'shape':<15} {'out x in':>12} {'rows':>4} {'kernel ms':>10} {'GB/s':>6} {'% read bw':>9} "
           f"{'F.linear ms':>12} {'F.linear/kernel':>16}{bf16_header}")
     for r in results:
         bf16_cells = f" {r['bf16_kernel_ms']:>15.3f} {r['bf16_kernel_over_kernel']:>11.2f}x" if quant else ""
+        if "no_amx_kernel_ms" in r:
+            bf16_cells += f" {r['no_amx_kernel_ms']:>10.3f} {r['no_amx_over_kernel']:>13.2f}x"
         print(f"{r['shape']:<15} {r['out']:>6}x{r['inp']:<5} {r['rows']:>4} {r['kernel_ms']:>10.3f} "
               f"{r['kernel_gb_s']:>6.1f} {100 * r['kernel_share_of_read_bw']:>8.0f}% "
               f"{r['f_linear_ms']:>12.3f} {r['f_linear_over_kernel']:>15.2f}x{bf16_cells}")
@@ -166,7 +181,8 @@ def main(argv=None):
     meta = dict(vars(args), read_bandwidth_gb_s=bandwidth / 1e9, machine=platform.machine(),
                 cpu_vendor=cpu_linear.cpu_vendor(), cpu_count=os.cpu_count(),
                 threads=torch.get_num_threads(), torch=torch.__version__,
-                bf16_dot=cpu_linear.bf16_dot_available(), quant_path=cpu_linear.quant_linear_path())
+                bf16_dot=cpu_linear.bf16_dot_available(), quant_path=cpu_linear.quant_linear_path(),
+                quant_amx=cpu_linear.quant_linear_amx())
     Path(args.output).write_text(json.dumps(dict(meta=meta, results=results), indent=2))
     print(f"wrote {args.output}", file=sys.stderr)
     return results

@@ -287,6 +287,27 @@ def quant_linear_path() -> str:
     return str(torch.ops.fsd_ext.quant_linear_path()) if _native_op() is not None else ""
 
 
+def quant_linear_amx() -> bool:
+    """Whether QuantWeightLinear multiplies decoding steps of 2..16 rows on the CPU's AMX-BF16 tiles
+    (exact products: the float32 x goes in as three bfloat16 parts; the result differs from the
+    AVX-512 loops by float32 summation order only). Not cached: use_quant_amx changes it."""
+    return _native_op() is not None and bool(torch.ops.fsd_ext.quant_linear_amx())
+
+
+@contextlib.contextmanager
+def use_quant_amx(enabled: bool):
+    """QuantWeightLinear's AMX path on (where the CPU has it) or off for the duration of the block,
+    process-wide (benchmarks compare the two paths in one run). No-op without the extension."""
+    if _native_op() is None:
+        yield
+        return
+    before = bool(torch.ops.fsd_ext.quant_linear_use_amx(enabled))
+    try:
+        yield
+    finally:
+        torch.ops.fsd_ext.quant_linear_use_amx(before)
+
+
 def quant_linears_pay_off() -> bool:
     """Whether a GGUF checkpoint's own quantised linear weights (QuantWeightLinear) beat the other
     CPU linears here, by a fixed rule: where the kernel has its AVX-512 path (measured on an Intel

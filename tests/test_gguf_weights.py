@@ -160,6 +160,31 @@ def test_forward_casts_other_dtypes_and_backpropagates():
 
 
 @needs_ext
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0"])
+def test_amx_path_matches_the_vector_loops(type_name):
+    """use_quant_amx switches the AMX path (csrc/fsd/cpu/quant_amx.cpp) off and back on; where the
+    CPU has AMX-BF16, both paths give the float32 product for every row count (they differ by
+    summation order only), and the tiles take the rows from kQuantAmxMinRows on."""
+    layer, weight, b = quant_layer(type_name, 70, 1024, bias=True)
+    has_amx = cpu_linear.quant_linear_amx()
+    with cpu_linear.use_quant_amx(False):
+        assert not cpu_linear.quant_linear_amx()
+    assert cpu_linear.quant_linear_amx() == has_amx  # restored
+    for rows in range(1, MAX_ROWS + 1):
+        x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows))
+        with torch.no_grad():
+            with cpu_linear.use_quant_amx(False):
+                vector = layer(x)
+            best = layer(x)
+        assert_float32_product(vector, x, weight, b)
+        assert_float32_product(best, x, weight, b)
+        if not has_amx or rows < 10:
+            assert torch.equal(best, vector)  # the same loops
+        else:
+            assert not torch.equal(best, vector)  # the tiles: another summation order
+
+
+@needs_ext
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
 def test_kernel_matches_float64_on_model_sizes(type_name):
     """Every row count 1..16 on the 1.5B model's down projection shape, against float64."""

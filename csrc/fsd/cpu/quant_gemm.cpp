@@ -15,8 +15,10 @@
 #include "fsd/cpu/quant_gemm.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
+#include "fsd/cpu/quant_amx.h"
 #include "fsd/cpu/skinny_gemm.h"  // avx2_available, bf16_dot_available: the CPU checks of both kernels
 #include "fsd/cpu/vec.h"
 #include "fsd/cpu/x86_sums.h"
@@ -326,7 +328,9 @@ TaskFn task_for(QuantFormat format) {
 
 TaskFn select_task(const QuantGemm& g) {
 #if FSD_X86_INTRINSICS
-  if (g.path == QuantPath::Best && quant_avx512_available()) return task_for<Avx512>(g.w.format);
+  if ((g.path == QuantPath::Best || g.path == QuantPath::Amx || g.path == QuantPath::Avx512) &&
+      quant_avx512_available())
+    return task_for<Avx512>(g.w.format);
   if (g.path != QuantPath::Portable && avx2_available()) return task_for<Avx2>(g.w.format);
 #endif
   return task_for<Portable>(g.w.format);
@@ -370,7 +374,18 @@ void dequantize_rows(const QuantWeights& w, int64_t row_begin, int64_t row_end, 
   dequantize_rows_portable<F>(w, row_begin, row_end, out, out_bf16);
 }
 
+std::atomic<bool> amx_enabled{true};
+
+bool takes_tiles(const QuantGemm& g) {
+  if (g.path == QuantPath::Amx) return quant_amx_hardware();
+  return g.path == QuantPath::Best && g.rows >= kQuantAmxMinRows && quant_amx_available();
+}
+
 }  // namespace
+
+bool quant_amx_available() { return amx_enabled.load(std::memory_order_relaxed) && quant_amx_hardware(); }
+
+bool set_quant_amx_enabled(bool enabled) { return amx_enabled.exchange(enabled); }
 
 bool quant_avx512_available() {
 #if FSD_X86_INTRINSICS
@@ -382,6 +397,7 @@ bool quant_avx512_available() {
 }
 
 void quant_gemm(const QuantGemm& g, const ParallelFor& parallel_for) {
+  if (takes_tiles(g)) return quant_gemm_amx(g, parallel_for);
   const int64_t blocks = (g.w.out + kQuantBlockRows - 1) / kQuantBlockRows;
   const int64_t tasks = (blocks + kTaskBlocks - 1) / kTaskBlocks;
   const TaskFn task = select_task(g);

@@ -45,9 +45,18 @@ struct QuantWeights {
   int64_t in = 0, out = 0;
 };
 
-// Which loops compute the product: the best this CPU runs (AVX-512, else AVX2 + FMA, else portable
-// C++), or, for tests, a lower one.
-enum class QuantPath { Best, Avx2, Portable };
+// Which loops compute the product. Best: AMX-BF16 tiles for kQuantAmxMinRows rows or more where
+// quant_amx_available(), else the AVX-512 loops, else AVX2 + FMA, else portable C++. The others
+// (tests, benchmarks) ask for one path, and get the next one down where this CPU lacks it; Amx
+// takes the tiles for any row count, whether or not set_quant_amx_enabled.
+enum class QuantPath { Best, Amx, Avx512, Avx2, Portable };
+
+// From this many rows of x Best takes the tiles. Their time hardly grows with the rows (the
+// codes' decoding, the tile products and reading the sums back cost the same for 1 or 16), the
+// AVX-512 loops' grows with them: on the Intel Xeon they were measured on (2 threads, 1.5B Q4
+// shapes), even at 8 rows, the tiles 1.1-1.2x faster at 10 and 1.3-1.5x at 16, but 1.7-2.3x
+// slower at 2 (benchmarks/bench_cpu_linear.py --dtype q4, README).
+constexpr int64_t kQuantAmxMinRows = 10;
 
 struct QuantGemm {
   QuantWeights w;
@@ -63,6 +72,14 @@ struct QuantGemm {
 // Whether this CPU runs the AVX-512 (AVX512F) path (x86-64 builds with GCC); the AVX2 + FMA path
 // runs where skinny_gemm.h's avx2_available().
 bool quant_avx512_available();
+
+// Whether Best takes the AMX path here: the CPU has AMX-BF16 (with AVX512-BF16), Linux lets this
+// process use the tile state, and set_quant_amx_enabled has not turned it off.
+bool quant_amx_available();
+
+// Turns Best's AMX path off (false) or back on (the default); returns the previous setting. A
+// process-wide switch, like torch.backends' flags: for benchmarks and for comparing the two paths.
+bool set_quant_amx_enabled(bool enabled);
 
 // Parallel over tasks of 16 blocks (64 output features).
 void quant_gemm(const QuantGemm& problem, const ParallelFor& parallel_for = serial_for);

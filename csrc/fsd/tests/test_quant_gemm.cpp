@@ -7,6 +7,7 @@
 #include <random>
 #include <vector>
 
+#include "fsd/cpu/quant_amx.h"
 #include "fsd/cpu/quant_gemm.h"
 #include "fsd/cpu/skinny_gemm.h"
 #include "fsd/cpu/vec.h"
@@ -54,6 +55,8 @@ float weight_at(const Matrix& m, int64_t o, int64_t i) {
   return (float)(int8_t)row_codes[j] * p[b];
 }
 
+constexpr QuantPath kPaths[] = {QuantPath::Best, QuantPath::Amx, QuantPath::Avx512, QuantPath::Avx2, QuantPath::Portable};
+
 const fsd::cpu::ParallelFor chunks_of_3 = [](int64_t count, int64_t, const fsd::cpu::RangeFn& body) {
   for (int64_t begin = 0; begin < count; begin += 3) body(begin, std::min(count, begin + 3));
 };
@@ -62,19 +65,20 @@ const fsd::cpu::ParallelFor chunks_of_3 = [](int64_t count, int64_t, const fsd::
 // from 16 rows' 384 columns up to whole rows), out not a multiple of 4 (padding rows never stored)
 // and over one task of 64; padded strides, with and without bias; a task-splitting ParallelFor.
 void test_products_match_the_definition() {
-  std::printf("quant_gemm: AVX-512 path %s, AVX2 path %s\n",
+  std::printf("quant_gemm: AMX path %s, AVX-512 path %s, AVX2 path %s\n",
+              fsd::cpu::quant_amx_hardware() ? "checked" : "not on this CPU",
               fsd::cpu::quant_avx512_available() ? "checked" : "not on this CPU",
               fsd::cpu::avx2_available() ? "checked" : "not on this CPU");
   std::mt19937 gen(5);
   for (QuantFormat format : {QuantFormat::Q4, QuantFormat::Q8}) {
     const int64_t group = fsd::cpu::quant_group_size(format);
     for (int64_t in : {group, 5 * group, int64_t(1280)}) {
-      for (int64_t out : {1, 5, 67, 130}) {
+      for (int64_t out : {1, 5, 44, 67, 130}) {
         const Matrix m = random_matrix(format, in, out, gen);
         std::vector<double> w(out * in);
         for (int64_t o = 0; o < out; ++o)
           for (int64_t i = 0; i < in; ++i) w[o * in + i] = weight_at(m, o, i);
-        for (QuantPath path : {QuantPath::Best, QuantPath::Avx2, QuantPath::Portable}) {
+        for (QuantPath path : kPaths) {
           for (int64_t rows : {1, 2, 3, 4, 5, 6, 7, 9, 12, 16}) {
             const int64_t x_stride = in + 3, y_stride = out + 2;
             std::vector<float> x(rows * x_stride), bias(out), y(rows * y_stride, -7.0f);
@@ -150,7 +154,7 @@ void test_golden_values() {
     if (format == QuantFormat::Q4) m.params[0] = 0.5f, m.params[1] = -1.0f;
     else m.params[0] = 2.0f;
     std::vector<float> x(group, 1.0f);
-    for (QuantPath path : {QuantPath::Best, QuantPath::Avx2, QuantPath::Portable}) {
+    for (QuantPath path : kPaths) {
       float y = 0.0f;
       fsd::cpu::QuantGemm g;
       g.w = m.view(), g.x = x.data(), g.x_stride = group, g.y = &y, g.y_stride = 1, g.rows = 1, g.path = path;
@@ -160,10 +164,37 @@ void test_golden_values() {
   }
 }
 
+// x = 1 + 2^-23 (the last bit of its float32 significand set) against codes 1, scale 1: every
+// path sums the group to group x (1 + 2^-23), which float32 holds exactly. The AMX path sees that
+// bit only through the third bfloat16 part of x, so a split into fewer parts (or a bfloat16 x)
+// would give exactly `group` instead. Rows 1 (the Amx path asked for) and 2..3 (Best).
+void test_last_bit_of_x_counts() {
+  const float x_value = 1.0f + std::ldexp(1.0f, -23);
+  for (QuantFormat format : {QuantFormat::Q4, QuantFormat::Q8}) {
+    const int64_t group = fsd::cpu::quant_group_size(format);
+    Matrix m{format, group, 1, std::vector<uint8_t>(64, 0), std::vector<float>(fsd::cpu::quant_params_per_group(format), 0.0f)};
+    for (int j = 0; j < 16; ++j) m.codes[j] = format == QuantFormat::Q4 ? (uint8_t)0x11 : (uint8_t)1;
+    m.params[0] = 1.0f;
+    const float expected = (float)group * x_value;
+    EXPECT(expected != (float)group);
+    for (QuantPath path : kPaths) {
+      for (int64_t rows : {1, 2, 3}) {
+        std::vector<float> x(rows * group, x_value), y(rows, 0.0f);
+        fsd::cpu::QuantGemm g;
+        g.w = m.view(), g.x = x.data(), g.x_stride = group, g.y = y.data(), g.y_stride = 1, g.rows = rows, g.path = path;
+        fsd::cpu::quant_gemm(g);
+        for (int64_t r = 0; r < rows; ++r)
+          CHECK(y[r] == expected, "format %d path %d rows %ld: %.9g, expected %.9g", (int)format, (int)path, (long)rows, y[r], expected);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
   test_golden_values();
+  test_last_bit_of_x_counts();
   test_dequantize_is_exact();
   test_products_match_the_definition();
   return fsd_test::verdict("test_quant_gemm");
