@@ -164,14 +164,15 @@ def test_forward_casts_other_dtypes_and_backpropagates():
 def test_amx_path_matches_the_vector_loops(type_name):
     """use_quant_amx switches the AMX path (csrc/fsd/cpu/quant_amx.cpp) off and back on; where the
     CPU has AMX-BF16, both paths give the float32 product for every row count (they differ by
-    summation order only), and the tiles take the rows from kQuantAmxMinRows on."""
-    layer, weight, b = quant_layer(type_name, 70, 1024, bias=True)
+    summation order only), and the tiles take 10 rows or more of a W of 1024 rows or more
+    (kQuantAmxMinRows, kQuantAmxMinOut)."""
+    layer, weight, b = quant_layer(type_name, 1030, 256, bias=True)
     has_amx = cpu_linear.quant_linear_amx()
     with cpu_linear.use_quant_amx(False):
         assert not cpu_linear.quant_linear_amx()
     assert cpu_linear.quant_linear_amx() == has_amx  # restored
     for rows in range(1, MAX_ROWS + 1):
-        x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows))
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
         with torch.no_grad():
             with cpu_linear.use_quant_amx(False):
                 vector = layer(x)

@@ -378,7 +378,8 @@ std::atomic<bool> amx_enabled{true};
 
 bool takes_tiles(const QuantGemm& g) {
   if (g.path == QuantPath::Amx) return quant_amx_hardware();
-  return g.path == QuantPath::Best && g.rows >= kQuantAmxMinRows && quant_amx_available();
+  return g.path == QuantPath::Best && g.rows >= kQuantAmxMinRows && g.w.out >= kQuantAmxMinOut &&
+         quant_amx_available();
 }
 
 }  // namespace

@@ -45,8 +45,8 @@ struct QuantWeights {
   int64_t in = 0, out = 0;
 };
 
-// Which loops compute the product. Best: AMX-BF16 tiles for kQuantAmxMinRows rows or more where
-// quant_amx_available(), else the AVX-512 loops, else AVX2 + FMA, else portable C++. The others
+// Which loops compute the product. Best: AMX-BF16 tiles for kQuantAmxMinRows rows or more of x and
+// kQuantAmxMinOut rows or more of W where quant_amx_available(), else the AVX-512 loops, else AVX2 + FMA, else portable C++. The others
 // (tests, benchmarks) ask for one path, and get the next one down where this CPU lacks it; Amx
 // takes the tiles for any row count, whether or not set_quant_amx_enabled.
 enum class QuantPath { Best, Amx, Avx512, Avx2, Portable };
@@ -57,6 +57,9 @@ enum class QuantPath { Best, Amx, Avx512, Avx2, Portable };
 // shapes), even at 8 rows, the tiles 1.1-1.2x faster at 10 and 1.3-1.5x at 16, but 1.7-2.3x
 // slower at 2 (benchmarks/bench_cpu_linear.py --dtype q4, README).
 constexpr int64_t kQuantAmxMinRows = 10;
+// ... and W has this many rows or more: the tiles first lay x out for them (on one thread), which
+// a small W does not repay (256 x 1536: 0.7x the AVX-512 loops at 12-16 rows; 1536 x 1536: 1.1-1.2x).
+constexpr int64_t kQuantAmxMinOut = 1024;
 
 struct QuantGemm {
   QuantWeights w;
