@@ -1,5 +1,8 @@
-"""(python benchmarks/results/amx-intel-2026-12-03/k11_amx_on_off.py [K]) FSD with K=11 (12-row verification steps) on the default pair with GGUF linear weights, the
-AMX tile path on and off, interleaved; prints each run's tokens/s line."""
+"""FSD with K=11 (12-row verification steps) on the default pair with GGUF linear weights, the
+AMX tile path on and off, interleaved; prints each run's tokens/s line.
+
+    python benchmarks/results/amx-intel-2026-12-03/k11_amx_on_off.py [K]
+"""
 import sys
 from fsd_ext import cli, cpu_linear
 prompt = "Write a Python function that returns the n-th Fibonacci number."
