@@ -258,7 +258,8 @@ TORCH_LIBRARY(fsd_ext, m) {
   // lets the process use them, quant_linear_use_amx has not turned them off).
   m.def("quant_linear_amx() -> bool", [] { return fsd::cpu::quant_amx_available(); });
   // Turns the AMX path off or back on for the whole process; returns the previous setting.
-  m.def("quant_linear_use_amx(bool enabled) -> bool", [](bool enabled) { return fsd::cpu::set_quant_amx_enabled(enabled); });
+  m.def("quant_linear_use_amx(bool enabled) -> bool",
+        [](bool enabled) { return fsd::cpu::set_quant_amx_enabled(enabled); });
 }
 
 TORCH_LIBRARY_IMPL(fsd_ext, CPU, m) {

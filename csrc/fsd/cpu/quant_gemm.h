@@ -45,10 +45,11 @@ struct QuantWeights {
   int64_t in = 0, out = 0;
 };
 
-// Which loops compute the product. Best: AMX-BF16 tiles for kQuantAmxMinRows rows or more of x and
-// kQuantAmxMinOut rows or more of W where quant_amx_available(), else the AVX-512 loops, else AVX2 + FMA, else portable C++. The others
-// (tests, benchmarks) ask for one path, and get the next one down where this CPU lacks it; Amx
-// takes the tiles for any row count, whether or not set_quant_amx_enabled.
+// Which loops compute the product. Best: AMX-BF16 tiles for kQuantAmxMinRows rows or more of x
+// and kQuantAmxMinOut rows or more of W where quant_amx_available(), else the AVX-512 loops, else
+// AVX2 + FMA, else portable C++. The others (tests, benchmarks) ask for one path, and get the next
+// one down where this CPU lacks it; Amx takes the tiles for any row count, whether or not
+// set_quant_amx_enabled.
 enum class QuantPath { Best, Amx, Avx512, Avx2, Portable };
 
 // From this many rows of x Best takes the tiles. Their time hardly grows with the rows (the

@@ -55,7 +55,8 @@ float weight_at(const Matrix& m, int64_t o, int64_t i) {
   return (float)(int8_t)row_codes[j] * p[b];
 }
 
-constexpr QuantPath kPaths[] = {QuantPath::Best, QuantPath::Amx, QuantPath::Avx512, QuantPath::Avx2, QuantPath::Portable};
+constexpr QuantPath kPaths[] = {QuantPath::Best, QuantPath::Amx, QuantPath::Avx512, QuantPath::Avx2,
+                                QuantPath::Portable};
 
 const fsd::cpu::ParallelFor chunks_of_3 = [](int64_t count, int64_t, const fsd::cpu::RangeFn& body) {
   for (int64_t begin = 0; begin < count; begin += 3) body(begin, std::min(count, begin + 3));
@@ -172,7 +173,8 @@ void test_last_bit_of_x_counts() {
   const float x_value = 1.0f + std::ldexp(1.0f, -23);
   for (QuantFormat format : {QuantFormat::Q4, QuantFormat::Q8}) {
     const int64_t group = fsd::cpu::quant_group_size(format);
-    Matrix m{format, group, 1, std::vector<uint8_t>(64, 0), std::vector<float>(fsd::cpu::quant_params_per_group(format), 0.0f)};
+    Matrix m{format, group, 1, std::vector<uint8_t>(64, 0),
+             std::vector<float>(fsd::cpu::quant_params_per_group(format), 0.0f)};
     for (int j = 0; j < 16; ++j) m.codes[j] = format == QuantFormat::Q4 ? (uint8_t)0x11 : (uint8_t)1;
     m.params[0] = 1.0f;
     const float expected = (float)group * x_value;
@@ -181,10 +183,12 @@ void test_last_bit_of_x_counts() {
       for (int64_t rows : {1, 2, 3}) {
         std::vector<float> x(rows * group, x_value), y(rows, 0.0f);
         fsd::cpu::QuantGemm g;
-        g.w = m.view(), g.x = x.data(), g.x_stride = group, g.y = y.data(), g.y_stride = 1, g.rows = rows, g.path = path;
+        g.w = m.view(), g.x = x.data(), g.x_stride = group, g.y = y.data(), g.y_stride = 1;
+        g.rows = rows, g.path = path;
         fsd::cpu::quant_gemm(g);
         for (int64_t r = 0; r < rows; ++r)
-          CHECK(y[r] == expected, "format %d path %d rows %ld: %.9g, expected %.9g", (int)format, (int)path, (long)rows, y[r], expected);
+          CHECK(y[r] == expected, "format %d path %d rows %ld: %.9g, expected %.9g", (int)format, (int)path,
+                (long)rows, y[r], expected);
       }
     }
   }
