@@ -288,9 +288,10 @@ def quant_linear_path() -> str:
 
 
 def quant_linear_amx() -> bool:
-    """Whether QuantWeightLinear multiplies decoding steps of 2..16 rows on the CPU's AMX-BF16 tiles
-    (exact products: the float32 x goes in as three bfloat16 parts; the result differs from the
-    AVX-512 loops by float32 summation order only). Not cached: use_quant_amx changes it."""
+    """Whether QuantWeightLinear multiplies decoding steps of 10..16 rows (on weights of 1024 rows or
+    more) on the CPU's AMX-BF16 tiles (exact products: the float32 x goes in as three bfloat16
+    parts; the result differs from the AVX-512 loops by float32 summation order only). Not cached:
+    use_quant_amx changes it."""
     return _native_op() is not None and bool(torch.ops.fsd_ext.quant_linear_amx())
 
 

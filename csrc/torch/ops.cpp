@@ -254,8 +254,9 @@ TORCH_LIBRARY(fsd_ext, m) {
     return std::string(fsd::cpu::quant_avx512_available() ? "avx512"
                        : fsd::cpu::avx2_available() ? "avx2" : "portable");
   });
-  // Whether quant_linear multiplies 2..16 rows on AMX-BF16 tiles here (the CPU has them, Linux
-  // lets the process use them, quant_linear_use_amx has not turned them off).
+  // Whether quant_linear multiplies 10..16 rows (of a weight of 1024 rows or more) on AMX-BF16
+  // tiles here: the CPU has them, Linux lets the process use them, quant_linear_use_amx has not
+  // turned them off.
   m.def("quant_linear_amx() -> bool", [] { return fsd::cpu::quant_amx_available(); });
   // Turns the AMX path off or back on for the whole process; returns the previous setting.
   m.def("quant_linear_use_amx(bool enabled) -> bool",

@@ -2,8 +2,8 @@
 // weight it reads, so from a few rows on its time is those multiply-adds, not memory; one tile
 // product (TDPBF16PS) does 16 x 16 x 32 of them in 5 ns (Intel Xeon, microbenchmark), whatever R.
 //
-// Where the time goes (one thread, 8960 x 1536 Q4, per 16 weight rows x 32 columns: 57 ns at 6
-// rows against the AVX-512 loops' 65, 91 against 175 at 16 rows, 50 against 24 at 2): decoding
+// Where the time goes (one thread, 8960 x 1536 Q4, per 16 weight rows x 32 columns: 53 / 62 / 102
+// ns at 2 / 6 / 16 rows against the AVX-512 loops' 25 / 75 / 199): decoding
 // the codes into A ~15 ns (four instructions per row of A, two on the shuffle port), the three
 // tile products with their loads ~20 ns, scaling the sums into the accumulators ~11 ns; the tile
 // instructions and the vector ones around them hardly overlap. With two threads the tiles gained
@@ -50,7 +50,6 @@ namespace {
 
 constexpr int kTileRows = 16;  // weight rows per A tile: four blocks
 constexpr int kParts = 3;      // x = hi + mid + lo
-constexpr int64_t kTaskBlocks = 16;
 
 constexpr int pairs_per_group(QuantFormat format) { return (int)quant_group_size(format) / 2; }
 
@@ -192,7 +191,7 @@ void tile_rows(const QuantGemm& g, const Panel& panel, int64_t b0, uint8_t* a_ti
   auto decode = [&](int64_t k, uint8_t* a_tile) FSD_INLINE_LAMBDA {
     FSD_UNROLL
     for (int b = 0; b < NB; ++b) {
-      const uint8_t* codes = g.w.codes + ((b0 + b) * groups + k) * kQuantCodeBytes;
+      const uint8_t* codes = quant_block_codes(g.w, b0 + b) + k * kQuantCodeBytes;
       FSD_UNROLL
       for (int r = 0; r < 4; ++r) decode_row<F>(codes + 16 * r, table, a_tile + (4 * b + r) * kARowBytes);
     }
@@ -201,10 +200,11 @@ void tile_rows(const QuantGemm& g, const Panel& panel, int64_t b0, uint8_t* a_ti
     multiply_group(a_tile, kARowBytes, panel.pairs + k * kParts * panel.part_words, panel.part_words, b_stride, c_tile);
   };
   auto scale_into_acc = [&](int64_t k, const float* c_tile) FSD_INLINE_LAMBDA {
-    const __m512 x_sums = _mm512_loadu_ps(panel.sums + 16 * k);
+    __m512 x_sums = _mm512_setzero_ps();  // Q4's offsets multiply the group's sum of x
+    if constexpr (F == QuantFormat::Q4) x_sums = _mm512_loadu_ps(panel.sums + 16 * k);
     FSD_UNROLL
     for (int b = 0; b < NB; ++b) {
-      const float* p = g.w.params + ((b0 + b) * groups + k) * kParams;
+      const float* p = quant_block_params(g.w, b0 + b) + k * kParams;
       FSD_UNROLL
       for (int r = 0; r < 4; ++r) {
         __m512& sum = acc[4 * b + r];
@@ -262,14 +262,14 @@ void run(const QuantGemm& g, const ParallelFor& parallel_for) {
   thread_local std::vector<uint32_t> pair_words;
   thread_local std::vector<float> sums;
   pair_words.resize(groups * kParts * part_words);
-  sums.assign(groups * 16, 0.0f);
+  sums.assign(F == QuantFormat::Q4 ? groups * 16 : 0, 0.0f);  // Q4's offsets only
   for (int n = 0; n < (int)rows; ++n)
     panel_row<F>(g.x + n * g.x_stride, groups, n, (int)rows, pair_words.data(), sums.data());
   const Panel panel{pair_words.data(), sums.data(), part_words};
   const int64_t blocks = (g.w.out + kQuantBlockRows - 1) / kQuantBlockRows;
-  const int64_t tasks = (blocks + kTaskBlocks - 1) / kTaskBlocks;
+  const int64_t tasks = (blocks + kQuantTaskBlocks - 1) / kQuantTaskBlocks;
   parallel_for(tasks, 1, [&](int64_t begin, int64_t end) {
-    tile_task<F>(g, panel, begin * kTaskBlocks, std::min(blocks, end * kTaskBlocks));
+    tile_task<F>(g, panel, begin * kQuantTaskBlocks, std::min(blocks, end * kQuantTaskBlocks));
   });
 }
 #pragma GCC pop_options

@@ -1,4 +1,4 @@
-// quant_gemm's AMX path (internal to quant_gemm.cpp and its tests): the products of 2..16 rows of
+// quant_gemm's AMX path (internal to quant_gemm.cpp and its tests): the products of up to 16 rows of
 // x with a repacked quantised W on the CPU's tile unit (Intel AMX-BF16), where the vector paths
 // are bound by multiply-adds rather than by reading W. See quant_amx.cpp for how it stays exact.
 #pragma once

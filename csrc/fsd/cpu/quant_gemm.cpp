@@ -27,7 +27,6 @@ namespace fsd {
 namespace cpu {
 namespace {
 
-constexpr int64_t kTaskBlocks = 16;         // blocks per parallel task: 64 output features
 constexpr int64_t kXChunkBytes = 24 << 10;  // x columns per chunk: half of a 48 KB L1
 
 // One call of a path's block kernel: x rows [row0, row0 + R) times block `block` of W over columns
@@ -37,16 +36,6 @@ struct BlockSpan {
   bool first_chunk;
   bool prefetch_next;  // prefetch the next block's codes and params over the same columns
 };
-
-FSD_ALWAYS_INLINE int64_t group_count(const QuantWeights& w) { return w.in / quant_group_size(w.format); }
-
-// Block `block`'s codes and params of group 0 (group k: + k * kQuantCodeBytes, + k * params per group).
-FSD_ALWAYS_INLINE const uint8_t* block_codes(const QuantWeights& w, int64_t block) {
-  return w.codes + block * group_count(w) * kQuantCodeBytes;
-}
-FSD_ALWAYS_INLINE const float* block_params(const QuantWeights& w, int64_t block) {
-  return w.params + block * group_count(w) * quant_params_per_group(w.format);
-}
 
 // y[row][o0 + b] for the block's rows b < 4 that exist (the padding rows past `out` are dropped).
 FSD_ALWAYS_INLINE void store_sums(const QuantGemm& g, const BlockSpan& s, int64_t row, const float* sums) {
@@ -82,8 +71,8 @@ struct Portable {
   template <QuantFormat F, int R>
   static void block(const QuantGemm& g, const BlockSpan& s) {
     constexpr int64_t kGroup = quant_group_size(F), kParams = quant_params_per_group(F);
-    const uint8_t* codes = block_codes(g.w, s.block);
-    const float* params = block_params(g.w, s.block);
+    const uint8_t* codes = quant_block_codes(g.w, s.block);
+    const float* params = quant_block_params(g.w, s.block);
     float acc[kQuantBlockRows][R][kGroup] = {};
     float weights[kGroup];
     for (int64_t k = s.c0 / kGroup; k < s.c1 / kGroup; ++k) {
@@ -128,9 +117,9 @@ struct Avx512 {
   template <QuantFormat F, int R>
   static void block(const QuantGemm& g, const BlockSpan& s) {
     constexpr int64_t kGroup = quant_group_size(F), kParams = quant_params_per_group(F);
-    const int64_t groups = group_count(g.w);
-    const uint8_t* codes = block_codes(g.w, s.block);
-    const float* params = block_params(g.w, s.block);
+    const int64_t groups = quant_group_count(g.w);
+    const uint8_t* codes = quant_block_codes(g.w, s.block);
+    const float* params = quant_block_params(g.w, s.block);
     const float* x_row[R];
     FSD_UNROLL
     for (int r = 0; r < R; ++r) x_row[r] = g.x + (s.row0 + r) * g.x_stride;
@@ -190,8 +179,8 @@ void dequantize_rows_avx512(const QuantWeights& w, int64_t row_begin, int64_t ro
   const __m512 code_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t o = row_begin; o < row_end; ++o) {
     const int b = (int)(o % kQuantBlockRows);
-    const uint8_t* codes = block_codes(w, o / kQuantBlockRows) + 16 * b;
-    const float* params = block_params(w, o / kQuantBlockRows);
+    const uint8_t* codes = quant_block_codes(w, o / kQuantBlockRows) + 16 * b;
+    const float* params = quant_block_params(w, o / kQuantBlockRows);
     const int64_t row = (o - row_begin) * w.in;
     auto store = [&](int64_t col, __m512 values) FSD_INLINE_LAMBDA {
       if constexpr (kBfloat16) {
@@ -228,9 +217,9 @@ struct Avx2 {
   template <QuantFormat F, int R>
   static void block(const QuantGemm& g, const BlockSpan& s) {
     constexpr int64_t kGroup = quant_group_size(F), kParams = quant_params_per_group(F);
-    const int64_t groups = group_count(g.w);
-    const uint8_t* codes = block_codes(g.w, s.block);
-    const float* params = block_params(g.w, s.block);
+    const int64_t groups = quant_group_count(g.w);
+    const uint8_t* codes = quant_block_codes(g.w, s.block);
+    const float* params = quant_block_params(g.w, s.block);
     const float* x_row[R];
     FSD_UNROLL
     for (int r = 0; r < R; ++r) x_row[r] = g.x + (s.row0 + r) * g.x_stride;
@@ -350,8 +339,8 @@ void dequantize_rows_portable(const QuantWeights& w, int64_t row_begin, int64_t 
   float weights[kGroup];
   for (int64_t o = row_begin; o < row_end; ++o) {
     const int b = (int)(o % kQuantBlockRows);
-    const uint8_t* codes = block_codes(w, o / kQuantBlockRows) + 16 * b;
-    const float* params = block_params(w, o / kQuantBlockRows);
+    const uint8_t* codes = quant_block_codes(w, o / kQuantBlockRows) + 16 * b;
+    const float* params = quant_block_params(w, o / kQuantBlockRows);
     const int64_t row = (o - row_begin) * w.in;
     for (int64_t k = 0; k < w.in / kGroup; ++k) {
       float* dst = out ? out + row + k * kGroup : weights;
@@ -400,10 +389,10 @@ bool quant_avx512_available() {
 void quant_gemm(const QuantGemm& g, const ParallelFor& parallel_for) {
   if (takes_tiles(g)) return quant_gemm_amx(g, parallel_for);
   const int64_t blocks = (g.w.out + kQuantBlockRows - 1) / kQuantBlockRows;
-  const int64_t tasks = (blocks + kTaskBlocks - 1) / kTaskBlocks;
+  const int64_t tasks = (blocks + kQuantTaskBlocks - 1) / kQuantTaskBlocks;
   const TaskFn task = select_task(g);
   parallel_for(tasks, 1, [&](int64_t begin, int64_t end) {
-    task(g, begin * kTaskBlocks, std::min(blocks, end * kTaskBlocks));
+    task(g, begin * kQuantTaskBlocks, std::min(blocks, end * kQuantTaskBlocks));
   });
 }
 

@@ -45,6 +45,16 @@ struct QuantWeights {
   int64_t in = 0, out = 0;
 };
 
+// Block `block`'s codes and params of group 0 (group k: + k * kQuantCodeBytes, + k *
+// quant_params_per_group).
+inline int64_t quant_group_count(const QuantWeights& w) { return w.in / quant_group_size(w.format); }
+inline const uint8_t* quant_block_codes(const QuantWeights& w, int64_t block) {
+  return w.codes + block * quant_group_count(w) * kQuantCodeBytes;
+}
+inline const float* quant_block_params(const QuantWeights& w, int64_t block) {
+  return w.params + block * quant_group_count(w) * quant_params_per_group(w.format);
+}
+
 // Which loops compute the product. Best: AMX-BF16 tiles for kQuantAmxMinRows rows or more of x
 // and kQuantAmxMinOut rows or more of W where quant_amx_available(), else the AVX-512 loops, else
 // AVX2 + FMA, else portable C++. The others (tests, benchmarks) ask for one path, and get the next
@@ -55,7 +65,7 @@ enum class QuantPath { Best, Amx, Avx512, Avx2, Portable };
 // From this many rows of x Best takes the tiles. Their time hardly grows with the rows (the
 // codes' decoding, the tile products and reading the sums back cost the same for 1 or 16), the
 // AVX-512 loops' grows with them: on the Intel Xeon they were measured on (2 threads, 1.5B Q4
-// shapes), even at 8 rows, the tiles 1.1-1.2x faster at 10 and 1.3-1.5x at 16, but 1.7-2.3x
+// shapes), even at 8 rows, the tiles 1.1-1.2x faster at 10 and 1.1-1.6x at 16, but 1.7-2.3x
 // slower at 2 (benchmarks/bench_cpu_linear.py --dtype q4, README).
 constexpr int64_t kQuantAmxMinRows = 10;
 // ... and W has this many rows or more: the tiles first lay x out for them (on one thread), which
@@ -85,7 +95,10 @@ bool quant_amx_available();
 // process-wide switch, like torch.backends' flags: for benchmarks and for comparing the two paths.
 bool set_quant_amx_enabled(bool enabled);
 
-// Parallel over tasks of 16 blocks (64 output features).
+// Blocks per parallel task of quant_gemm (every path): 64 output features.
+constexpr int64_t kQuantTaskBlocks = 16;
+
+// Parallel over tasks of kQuantTaskBlocks blocks.
 void quant_gemm(const QuantGemm& problem, const ParallelFor& parallel_for = serial_for);
 
 // The weights of rows [row_begin, row_end) of W into out [row_end - row_begin, in] (the prompt
