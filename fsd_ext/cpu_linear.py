@@ -162,8 +162,11 @@ class QuantWeightLinear(torch.nn.Module):
     codes: uint8 [ceil(out / 4), in / group, 64]; params: float32 [ceil(out / 4), in / group, 8 (q4)
     or 4 (q8)]; bias: float32 [out] or None. Input and output are float32 (another floating dtype
     is computed in float32 and cast back). Few-row CPU inputs (decoding: 1..MAX_ROWS rows) go to
-    the fsd_ext kernel; more rows (a prompt) to torch.mm on cache-sized blocks of dequantised rows,
-    in bfloat16 on CPUs where that is much faster (prompt_matmul_dtype; set `prompt_dtype` to
+    the fsd_ext kernel; more rows (a prompt) in bfloat16 on CPUs where that is much faster
+    (prompt_matmul_dtype) to the kernel's AMX tiles where quant_linear_amx() (quant_linear_prompt:
+    W and x rounded to bfloat16, float32 sums, y not rounded; 1.2-2.0x the mm path below on the
+    Intel Xeon's large shapes, 1.0-1.6x on a 256-row W: benchmarks/bench_prompt_linear.py), else to torch.mm on cache-sized blocks of
+    dequantised rows (float32, or bfloat16 with y rounded to bfloat16; set `prompt_dtype` to
     torch.float32, or use set_prompt_dtype(model, torch.float32), for float32 there too); other
     devices, autograd, or a build without the extension dequantise with torch ops.
     """
@@ -204,8 +207,13 @@ class QuantWeightLinear(torch.nn.Module):
             return torch.ops.fsd_ext.quant_linear(x, self.codes, self.params, _QUANT_FORMAT_ID[self.format],
                                                   self.out_features, self.bias)
         if native is not None and on_cpu and not needs_grad:
+            bfloat16_product = self.prompt_matmul_dtype() == torch.bfloat16
+            if bfloat16_product and quant_linear_amx():  # the same rounding, on tiles, one launch
+                return torch.ops.fsd_ext.quant_linear_prompt(x, self.codes, self.params,
+                                                             _QUANT_FORMAT_ID[self.format], self.out_features,
+                                                             self.bias)
             block = max(4, _WIDENED_BLOCK_BYTES // (4 * self.in_features) // 4 * 4)
-            if self.prompt_matmul_dtype() == torch.bfloat16:
+            if bfloat16_product:
                 def rows(begin: int, end: int) -> torch.Tensor:
                     return self._dequantized_rows(begin, end, torch.bfloat16)
 
@@ -218,8 +226,8 @@ class QuantWeightLinear(torch.nn.Module):
         """The dtype of the product for more than MAX_ROWS rows (a prompt): self.prompt_dtype, or
         when that is None ("auto"), bfloat16 on a CPU with AVX512-BF16 (whose bfloat16 GEMM, AMX
         where it has it, ran 5.6x torch's float32 GEMM on an Intel Xeon: 48 x 1536 x 8960, 2.3 vs
-        12.8 ms) and float32 elsewhere. bfloat16 rounds that product's weights, inputs and outputs
-        as a bfloat16 model does; decoding steps (at most MAX_ROWS rows) always multiply the float32
+        12.8 ms) and float32 elsewhere. bfloat16 rounds that product's weights and inputs as a
+        bfloat16 model does (and its outputs too, where quant_linear_amx() is false); decoding steps (at most MAX_ROWS rows) always multiply the float32
         weights exactly."""
         if self.prompt_dtype is not None:
             return self.prompt_dtype
@@ -290,7 +298,8 @@ def quant_linear_path() -> str:
 def quant_linear_amx() -> bool:
     """Whether QuantWeightLinear multiplies decoding steps of 10..16 rows (on weights of 1024 rows or
     more) on the CPU's AMX-BF16 tiles (exact products: the float32 x goes in as three bfloat16
-    parts; the result differs from the AVX-512 loops by float32 summation order only). Not cached:
+    parts; the result differs from the AVX-512 loops by float32 summation order only), and its
+    bfloat16 prompts (more than MAX_ROWS rows) by quant_linear_prompt's tiles. Not cached:
     use_quant_amx changes it."""
     return _native_op() is not None and bool(torch.ops.fsd_ext.quant_linear_amx())
 

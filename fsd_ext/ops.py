@@ -70,6 +70,10 @@ if _IMPORT_ERROR is None:
     def _quant_linear_fake(x, codes, params, format, out_features, bias):
         return x.new_empty((*x.shape[:-1], out_features))
 
+    @torch.library.register_fake("fsd_ext::quant_linear_prompt")
+    def _quant_linear_prompt_fake(x, codes, params, format, out_features, bias):
+        return x.new_empty((*x.shape[:-1], out_features))
+
     @torch.library.register_fake("fsd_ext::quant_dequantize")
     def _quant_dequantize_fake(codes, params, format, out_features, dtype=None):
         group = 32 if format == 0 else 16

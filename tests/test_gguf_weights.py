@@ -185,6 +185,50 @@ def test_amx_path_matches_the_vector_loops(type_name):
             assert not torch.equal(best, vector)  # the tiles: another summation order
 
 
+def assert_bfloat16_operands_product(y, x, weight, bias=None):
+    """y is bf16(x) bf16(W)^T + bias summed in float32: within 1e-5 of the sum of |terms| of the
+    float64 product of the rounded operands (each product is exact in float32)."""
+    assert_float32_product(y, x.bfloat16().float(), weight.bfloat16().float(), bias)
+
+
+@needs_ext
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("rows", [1, 17, 45, 300])
+def test_prompt_op_rounds_operands_not_sums(type_name, rows):
+    """quant_linear_prompt (AMX tiles where the CPU has them, else plain loops): the product of x
+    and W rounded to bfloat16 with float32 sums, for any number of rows; with the tiles off the
+    same values by the loops (another summation order). y is not rounded, unlike a bfloat16 GEMM."""
+    layer, weight, b = quant_layer(type_name, 70, 768, bias=True)  # 24 tiles of 32 columns: 3 passes
+    x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
+    args = (layer.codes, layer.params, 0 if layer.format == "q4" else 1, 70, layer.bias)
+    y = torch.ops.fsd_ext.quant_linear_prompt(x, *args)
+    with cpu_linear.use_quant_amx(False):
+        y_loops = torch.ops.fsd_ext.quant_linear_prompt(x, *args)
+    for got in (y, y_loops):
+        assert_bfloat16_operands_product(got, x, weight, b)
+        assert not torch.equal(got, got.bfloat16().float())  # not rounded to bfloat16 afterwards
+    assert torch.ops.fsd_ext.quant_linear_prompt(x.reshape(1, rows, -1), *args).shape == (1, rows, 70)
+
+
+@needs_ext
+def test_prompt_rows_take_the_tiles_where_the_cpu_has_them():
+    """More than MAX_ROWS rows with prompt_dtype bfloat16: quant_linear_prompt where
+    quant_linear_amx() (y not rounded), else quant_dequantize + a bfloat16 mm (y rounded)."""
+    layer, weight, b = quant_layer("Q4_K", 131, 256, bias=True)
+    cpu_linear.set_prompt_dtype(torch.nn.Sequential(layer), torch.bfloat16)
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        with cpu_linear.use_quant_amx(False):
+            blas = layer(x)
+        best = layer(x)
+    torch.testing.assert_close(blas, best, rtol=1e-2, atol=1e-2)
+    if cpu_linear.quant_linear_amx():
+        assert_bfloat16_operands_product(best, x, weight, b)
+        assert torch.equal(best, torch.ops.fsd_ext.quant_linear_prompt(x, layer.codes, layer.params, 0, 131, layer.bias))
+    else:
+        assert torch.equal(best, blas)
+
+
 @needs_ext
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
 def test_kernel_matches_float64_on_model_sizes(type_name):
@@ -217,6 +261,10 @@ def test_constructor_checks_shapes():
     (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x.expand(17, 256), c, p, 0, 8, None), "1 to 16 rows"),
     (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x, c, p, 0, 8, torch.zeros(7)), r"bias must be a float32 \[8\]"),
     (lambda c, p, x: torch.ops.fsd_ext.quant_dequantize(c, p, 1, 8), "params must be"),
+    (lambda c, p, x: torch.ops.fsd_ext.quant_linear_prompt(x[:, :0], c, p, 0, 8, None), r"x must be \[..., 256\]"),
+    (lambda c, p, x: torch.ops.fsd_ext.quant_linear_prompt(x[:0], c, p, 0, 8, None), "at least 1 row"),
+    (lambda c, p, x: torch.ops.fsd_ext.quant_linear_prompt(x.half(), c, p, 0, 8, None), "x must be float32"),
+    (lambda c, p, x: torch.ops.fsd_ext.quant_linear_prompt(x, c, p, 0, 9, None), r"out_features must be in \(4, 8\]"),
 ])
 def test_ops_reject_bad_arguments(call, match):
     layer, _, _ = quant_layer("Q4_K", 8, 256)
@@ -230,6 +278,8 @@ def test_opcheck():
     x = torch.randn(3, 256)
     torch.library.opcheck(torch.ops.fsd_ext.quant_linear.default, (x, layer.codes, layer.params, 1, 10, layer.bias))
     torch.library.opcheck(torch.ops.fsd_ext.quant_dequantize.default, (layer.codes, layer.params, 1, 10))
+    torch.library.opcheck(torch.ops.fsd_ext.quant_linear_prompt.default,
+                          (torch.randn(40, 256), layer.codes, layer.params, 1, 10, layer.bias))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -175,21 +175,22 @@ fsd::cpu::QuantWeights quant_weights(const char* op, const Tensor& codes, const 
           codes.size(1) * fsd::cpu::quant_group_size(quant_format), out_features};
 }
 
-// x [..., in] float32 times the repacked weight's transpose (+ bias float32 [out]), for at most
-// kQuantMaxRows rows of x: cpu_linear.QuantWeightLinear's decoding steps.
-Tensor quant_linear_cpu(const Tensor& x, const Tensor& codes, const Tensor& params, int64_t format,
-                        int64_t out_features, const OptTensor& bias) {
-  const fsd::cpu::QuantWeights w = quant_weights("quant_linear", codes, params, format, out_features);
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "quant_linear: x must be float32, got ", x.scalar_type());
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == w.in, "quant_linear: x must be [..., ", w.in, "] to match the weight [",
-              w.out, ", ", w.in, "], got ", x.sizes());
+// x [..., in] float32 times the repacked weight's transpose (+ bias float32 [out]): quant_linear
+// for at most kQuantMaxRows rows (cpu_linear.QuantWeightLinear's decoding steps, exact weights),
+// quant_linear_prompt for any number (its prompts, W and x rounded to bfloat16, float32 sums).
+Tensor quant_product(const char* op, bool prompt, const Tensor& x, const Tensor& codes, const Tensor& params,
+                     int64_t format, int64_t out_features, const OptTensor& bias) {
+  const fsd::cpu::QuantWeights w = quant_weights(op, codes, params, format, out_features);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.device().is_cpu(), op, ": x must be a CPU tensor, got ", x.device());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == w.in, op, ": x must be [..., ", w.in, "] to match the weight [", w.out,
+              ", ", w.in, "], got ", x.sizes());
   const int64_t rows = x.numel() / w.in;
-  TORCH_CHECK(rows >= 1 && rows <= fsd::cpu::kQuantMaxRows, "quant_linear: x must hold 1 to ",
-              fsd::cpu::kQuantMaxRows, " rows of ", w.in, ", got ", x.sizes());
+  TORCH_CHECK(rows >= 1 && (prompt || rows <= fsd::cpu::kQuantMaxRows), op, ": x must hold ",
+              prompt ? "at least 1 row" : "1 to 16 rows", " of ", w.in, ", got ", x.sizes());
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == w.out && bias->device().is_cpu(),
-                "quant_linear: bias must be a float32 [", w.out, "] CPU tensor, got ", bias->scalar_type(), " ",
-                bias->sizes());
+                op, ": bias must be a float32 [", w.out, "] CPU tensor, got ", bias->scalar_type(), " ", bias->sizes());
   }
   const Tensor x_rows = x.reshape({rows, w.in}).contiguous();
   const Tensor bias_c = bias.has_value() ? bias->contiguous() : Tensor();
@@ -202,10 +203,23 @@ Tensor quant_linear_cpu(const Tensor& x, const Tensor& codes, const Tensor& para
   problem.y = y.data_ptr<float>();
   problem.y_stride = w.out;
   problem.rows = rows;
-  fsd::cpu::quant_gemm(problem, torch_parallel_for);
+  if (prompt)
+    fsd::cpu::quant_prompt_gemm(problem, torch_parallel_for);
+  else
+    fsd::cpu::quant_gemm(problem, torch_parallel_for);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = w.out;
   return y.view(shape);
+}
+
+Tensor quant_linear_cpu(const Tensor& x, const Tensor& codes, const Tensor& params, int64_t format,
+                        int64_t out_features, const OptTensor& bias) {
+  return quant_product("quant_linear", false, x, codes, params, format, out_features, bias);
+}
+
+Tensor quant_linear_prompt_cpu(const Tensor& x, const Tensor& codes, const Tensor& params, int64_t format,
+                               int64_t out_features, const OptTensor& bias) {
+  return quant_product("quant_linear_prompt", true, x, codes, params, format, out_features, bias);
 }
 
 // The repacked weight as float32, or rounded to bfloat16, [out_features, in] (the prompt path
@@ -248,6 +262,9 @@ TORCH_LIBRARY(fsd_ext, m) {
   // Whether skinny_linear takes the AVX2 + FMA path for float32 x on this CPU.
   m.def("skinny_linear_avx2() -> bool", [] { return fsd::cpu::avx2_available(); });
   m.def("quant_linear(Tensor x, Tensor codes, Tensor params, int format, int out_features, Tensor? bias) -> Tensor");
+  // Any number of rows, W and x rounded to bfloat16 (fsd/cpu/quant_gemm.h: quant_prompt_gemm): AMX
+  // tiles where quant_linear_amx(), else plain loops (slow: there a prompt takes quant_dequantize).
+  m.def("quant_linear_prompt(Tensor x, Tensor codes, Tensor params, int format, int out_features, Tensor? bias) -> Tensor");
   m.def("quant_dequantize(Tensor codes, Tensor params, int format, int out_features, ScalarType? dtype=None) -> Tensor");
   // Which loops quant_linear runs on this CPU: "avx512", "avx2" or "portable".
   m.def("quant_linear_path() -> str", [] {
@@ -270,6 +287,7 @@ TORCH_LIBRARY_IMPL(fsd_ext, CPU, m) {
   m.impl("philox_uniforms", &fsd_torch::philox_uniforms_cpu);
   m.impl("skinny_linear", &fsd_torch::skinny_linear_cpu);
   m.impl("quant_linear", &fsd_torch::quant_linear_cpu);
+  m.impl("quant_linear_prompt", &fsd_torch::quant_linear_prompt_cpu);
   m.impl("quant_dequantize", &fsd_torch::quant_dequantize_cpu);
 }
 

@@ -396,6 +396,43 @@ void quant_gemm(const QuantGemm& g, const ParallelFor& parallel_for) {
   });
 }
 
+namespace {
+
+float bfloat16_to_float(uint16_t bits) { return bits_to_float((uint32_t)bits << 16); }
+
+// quant_prompt_gemm without tiles: x rounded once, each block of W's rows dequantised to bfloat16
+// and multiplied in float32 by plain loops.
+template <QuantFormat F>
+void prompt_gemm_portable(const QuantGemm& g, const ParallelFor& parallel_for) {
+  const int64_t in = g.w.in;
+  std::vector<float> x(g.rows * in);
+  for (int64_t n = 0; n < g.rows; ++n)
+    for (int64_t k = 0; k < in; ++k) x[n * in + k] = bfloat16_to_float(round_to_bfloat16(g.x[n * g.x_stride + k]));
+  const int64_t blocks = (g.w.out + kQuantBlockRows - 1) / kQuantBlockRows;
+  parallel_for(blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> w(kQuantBlockRows * in);
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t o0 = block * kQuantBlockRows, o1 = std::min(g.w.out, o0 + kQuantBlockRows);
+      dequantize_rows_portable<F>(g.w, o0, o1, nullptr, w.data());
+      for (int64_t o = o0; o < o1; ++o)
+        for (int64_t n = 0; n < g.rows; ++n) {
+          float sum = 0.0f;
+          for (int64_t k = 0; k < in; ++k) sum += bfloat16_to_float(w[(o - o0) * in + k]) * x[n * in + k];
+          g.y[n * g.y_stride + o] = (g.bias ? g.bias[o] : 0.0f) + sum;
+        }
+    }
+  });
+}
+
+}  // namespace
+
+void quant_prompt_gemm(const QuantGemm& g, const ParallelFor& parallel_for) {
+  const bool tiles = g.path == QuantPath::Amx ? quant_amx_hardware() : g.path == QuantPath::Best && quant_amx_available();
+  if (tiles) return quant_prompt_gemm_amx(g, parallel_for);
+  if (g.w.format == QuantFormat::Q4) return prompt_gemm_portable<QuantFormat::Q4>(g, parallel_for);
+  prompt_gemm_portable<QuantFormat::Q8>(g, parallel_for);
+}
+
 void quant_dequantize(const QuantWeights& w, int64_t row_begin, int64_t row_end, float* out, uint16_t* out_bf16,
                       const ParallelFor& parallel_for) {
   parallel_for(row_end - row_begin, 16, [&](int64_t begin, int64_t end) {

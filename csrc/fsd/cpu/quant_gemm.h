@@ -79,7 +79,7 @@ struct QuantGemm {
   const float* bias = nullptr;  // [out], or nullptr
   float* y = nullptr;  // [rows, out]: row r at y + r * y_stride
   int64_t y_stride = 0;
-  int64_t rows = 0;  // in [1, kQuantMaxRows]
+  int64_t rows = 0;  // in [1, kQuantMaxRows] (quant_prompt_gemm: any, >= 1)
   QuantPath path = QuantPath::Best;
 };
 
@@ -100,6 +100,16 @@ constexpr int64_t kQuantTaskBlocks = 16;
 
 // Parallel over tasks of kQuantTaskBlocks blocks.
 void quant_gemm(const QuantGemm& problem, const ParallelFor& parallel_for = serial_for);
+
+// y = x W^T (+ bias) for any number of rows of x (a prompt), with W's weights and x rounded to
+// bfloat16 (nearest even; W's exactly as quant_dequantize's out_bf16, x as torch rounds except
+// that the tiles read a subnormal x as zero) and the products summed in float32 (y itself is not
+// rounded). g.rows >= 1. On AMX-BF16 tiles where quant_amx_available() (g.path Best) or the
+// hardware has them (Amx): cpu_linear.QuantWeightLinear's prompt path there, each weight row decoded
+// once per 256 rows of x and the sums kept in the tiles across groups. Elsewhere (or Portable) a
+// plain loop, slow, which the tests hold the tiles to; without tiles a prompt takes
+// quant_dequantize and a BLAS GEMM instead.
+void quant_prompt_gemm(const QuantGemm& g, const ParallelFor& parallel_for = serial_for);
 
 // The weights of rows [row_begin, row_end) of W into out [row_end - row_begin, in] (the prompt
 // path: cache-sized pieces of W for a BLAS GEMM), as float32 (`out`) or rounded to nearest-even

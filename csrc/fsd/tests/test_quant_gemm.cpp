@@ -194,9 +194,86 @@ void test_last_bit_of_x_counts() {
   }
 }
 
+// Nearest-even bfloat16 of a finite float, as a float.
+double bfloat16_value(float value) {
+  const uint32_t bits = fsd::cpu::float_to_bits(value);
+  return fsd::cpu::bits_to_float(((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16) << 16);
+}
+
+// The prompt product (tiles where this CPU has them, and the plain loops) against the sums of the
+// bfloat16-rounded weights and x in double: in with a partial last tile (Q8's odd group counts)
+// and over one pass of 8 tiles; out not a multiple of 16 or 32; rows 1 to 300 (one and two
+// chunks of 256, slab tails); padded strides, with and without bias.
+void test_prompt_products_match_the_definition() {
+  std::printf("quant_prompt_gemm: AMX path %s\n", fsd::cpu::quant_amx_hardware() ? "checked" : "not on this CPU");
+  std::mt19937 gen(7);
+  for (QuantFormat format : {QuantFormat::Q4, QuantFormat::Q8}) {
+    const int64_t group = fsd::cpu::quant_group_size(format);
+    for (int64_t in : {group, 3 * group, 17 * group, int64_t(1280)}) {
+      for (int64_t out : {1, 5, 44, 67, 130}) {
+        const Matrix m = random_matrix(format, in, out, gen);
+        std::vector<double> w(out * in);
+        for (int64_t o = 0; o < out; ++o)
+          for (int64_t i = 0; i < in; ++i) w[o * in + i] = bfloat16_value(weight_at(m, o, i));
+        for (QuantPath path : {QuantPath::Amx, QuantPath::Portable}) {
+          for (int64_t rows : {1, 17, 40, 300}) {
+            if (path == QuantPath::Portable && rows == 300 && in == 1280) continue;  // slow, and the same loops
+            const int64_t x_stride = in + 3, y_stride = out + 2;
+            std::vector<float> x(rows * x_stride), bias(out), y(rows * y_stride, -7.0f);
+            std::normal_distribution<float> normal(0.0f, 1.0f);
+            for (auto& v : x) v = normal(gen);
+            for (int64_t o = 0; o < out; ++o) bias[o] = 0.125f * (float)o;
+            fsd::cpu::QuantGemm g;
+            g.w = m.view(), g.x = x.data(), g.x_stride = x_stride;
+            g.bias = rows % 2 ? bias.data() : nullptr, g.y = y.data(), g.y_stride = y_stride;
+            g.rows = rows, g.path = path;
+            fsd::cpu::quant_prompt_gemm(g, chunks_of_3);
+            for (int64_t r = 0; r < rows; ++r) {
+              for (int64_t o = 0; o < out; ++o) {
+                double expected = g.bias ? bias[o] : 0.0, magnitude = std::fabs(expected);
+                for (int64_t i = 0; i < in; ++i) {
+                  const double product = bfloat16_value(x[r * x_stride + i]) * w[o * in + i];
+                  expected += product, magnitude += std::fabs(product);
+                }
+                CHECK(std::fabs(y[r * y_stride + o] - expected) <= 1e-6 * magnitude + 1e-6,
+                      "prompt: format %d path %d in %ld out %ld rows %ld: y[%ld][%ld] = %.8g, expected %.8g",
+                      (int)format, (int)path, (long)in, (long)out, (long)rows, (long)r, (long)o,
+                      y[r * y_stride + o], expected);
+              }
+              for (int64_t o = out; o < y_stride; ++o) EXPECT(y[r * y_stride + o] == -7.0f);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The prompt product rounds x: 1 + 2^-8 + 2^-9 (between bfloat16's 1 + 2^-8 and 1 + 2^-7, nearer
+// the second) against weights 1 sums to group (1 + 2^-7) on every path, not group x.
+void test_prompt_rounds_x_to_nearest() {
+  const float x_value = 1.0f + std::ldexp(1.0f, -8) + std::ldexp(1.0f, -9);
+  for (QuantFormat format : {QuantFormat::Q4, QuantFormat::Q8}) {
+    const int64_t group = fsd::cpu::quant_group_size(format);
+    Matrix m{format, group, 1, std::vector<uint8_t>(64, 0),
+             std::vector<float>(fsd::cpu::quant_params_per_group(format), 0.0f)};
+    for (int j = 0; j < 16; ++j) m.codes[j] = format == QuantFormat::Q4 ? (uint8_t)0x11 : (uint8_t)1;
+    m.params[0] = 1.0f;
+    for (QuantPath path : {QuantPath::Amx, QuantPath::Portable}) {
+      std::vector<float> x(20 * group, x_value), y(20, 0.0f);
+      fsd::cpu::QuantGemm g;
+      g.w = m.view(), g.x = x.data(), g.x_stride = group, g.y = y.data(), g.y_stride = 1, g.rows = 20, g.path = path;
+      fsd::cpu::quant_prompt_gemm(g);
+      for (float v : y) CHECK(v == (float)group * (1.0f + std::ldexp(1.0f, -7)), "path %d: %.9g", (int)path, v);
+    }
+  }
+}
+
 }  // namespace
 
 int main() {
+  test_prompt_rounds_x_to_nearest();
+  test_prompt_products_match_the_definition();
   test_golden_values();
   test_last_bit_of_x_counts();
   test_dequantize_is_exact();
