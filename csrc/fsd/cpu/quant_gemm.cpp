@@ -398,8 +398,6 @@ void quant_gemm(const QuantGemm& g, const ParallelFor& parallel_for) {
 
 namespace {
 
-float bfloat16_to_float(uint16_t bits) { return bits_to_float((uint32_t)bits << 16); }
-
 // quant_prompt_gemm without tiles: x rounded once, each block of W's rows dequantised to bfloat16
 // and multiplied in float32 by plain loops.
 template <QuantFormat F>
@@ -407,7 +405,7 @@ void prompt_gemm_portable(const QuantGemm& g, const ParallelFor& parallel_for) {
   const int64_t in = g.w.in;
   std::vector<float> x(g.rows * in);
   for (int64_t n = 0; n < g.rows; ++n)
-    for (int64_t k = 0; k < in; ++k) x[n * in + k] = bfloat16_to_float(round_to_bfloat16(g.x[n * g.x_stride + k]));
+    for (int64_t k = 0; k < in; ++k) x[n * in + k] = to_float(BFloat16{round_to_bfloat16(g.x[n * g.x_stride + k])});
   const int64_t blocks = (g.w.out + kQuantBlockRows - 1) / kQuantBlockRows;
   parallel_for(blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> w(kQuantBlockRows * in);
@@ -417,7 +415,7 @@ void prompt_gemm_portable(const QuantGemm& g, const ParallelFor& parallel_for) {
       for (int64_t o = o0; o < o1; ++o)
         for (int64_t n = 0; n < g.rows; ++n) {
           float sum = 0.0f;
-          for (int64_t k = 0; k < in; ++k) sum += bfloat16_to_float(w[(o - o0) * in + k]) * x[n * in + k];
+          for (int64_t k = 0; k < in; ++k) sum += to_float(BFloat16{w[(o - o0) * in + k]}) * x[n * in + k];
           g.y[n * g.y_stride + o] = (g.bias ? g.bias[o] : 0.0f) + sum;
         }
     }

@@ -62,6 +62,37 @@ const fsd::cpu::ParallelFor chunks_of_3 = [](int64_t count, int64_t, const fsd::
   for (int64_t begin = 0; begin < count; begin += 3) body(begin, std::min(count, begin + 3));
 };
 
+// Runs `product` on random x (rows x in, padded strides; bias on odd row counts) and checks every
+// y[r][o] against the double sum of term(x value, o, i) (+ bias) within float32 summation error,
+// and that the padding past out is untouched.
+template <class Product, class Term>
+void check_rows(const char* what, int format, int path, int64_t in, int64_t out, int64_t rows, std::mt19937& gen,
+                Product product, Term term) {
+  const int64_t x_stride = in + 3, y_stride = out + 2;
+  std::vector<float> x(rows * x_stride), bias(out), y(rows * y_stride, -7.0f);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (auto& v : x) v = normal(gen);
+  for (int64_t o = 0; o < out; ++o) bias[o] = 0.125f * (float)o;
+  fsd::cpu::QuantGemm g;
+  g.x = x.data(), g.x_stride = x_stride;
+  g.bias = rows % 2 ? bias.data() : nullptr, g.y = y.data(), g.y_stride = y_stride;
+  g.rows = rows;
+  product(g);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t o = 0; o < out; ++o) {
+      double expected = g.bias ? bias[o] : 0.0, magnitude = std::fabs(expected);
+      for (int64_t i = 0; i < in; ++i) {
+        const double t = term(x[r * x_stride + i], o, i);
+        expected += t, magnitude += std::fabs(t);
+      }
+      CHECK(std::fabs(y[r * y_stride + o] - expected) <= 1e-6 * magnitude + 1e-6,
+            "%s: format %d path %d in %ld out %ld rows %ld: y[%ld][%ld] = %.8g, expected %.8g", what, format, path,
+            (long)in, (long)out, (long)rows, (long)r, (long)o, y[r * y_stride + o], expected);
+    }
+    for (int64_t o = out; o < y_stride; ++o) EXPECT(y[r * y_stride + o] == -7.0f);
+  }
+}
+
 // Every path this CPU has, both formats; row counts 1..16 (one or several passes, column chunks
 // from 16 rows' 384 columns up to whole rows), out not a multiple of 4 (padding rows never stored)
 // and over one task of 64; padded strides, with and without bias; a task-splitting ParallelFor.
@@ -81,30 +112,10 @@ void test_products_match_the_definition() {
           for (int64_t i = 0; i < in; ++i) w[o * in + i] = weight_at(m, o, i);
         for (QuantPath path : kPaths) {
           for (int64_t rows : {1, 2, 3, 4, 5, 6, 7, 9, 12, 16}) {
-            const int64_t x_stride = in + 3, y_stride = out + 2;
-            std::vector<float> x(rows * x_stride), bias(out), y(rows * y_stride, -7.0f);
-            std::normal_distribution<float> normal(0.0f, 1.0f);
-            for (auto& v : x) v = normal(gen);
-            for (int64_t o = 0; o < out; ++o) bias[o] = 0.125f * (float)o;
-            fsd::cpu::QuantGemm g;
-            g.w = m.view(), g.x = x.data(), g.x_stride = x_stride;
-            g.bias = rows % 2 ? bias.data() : nullptr, g.y = y.data(), g.y_stride = y_stride;
-            g.rows = rows, g.path = path;
-            fsd::cpu::quant_gemm(g, chunks_of_3);
-            for (int64_t r = 0; r < rows; ++r) {
-              for (int64_t o = 0; o < out; ++o) {
-                double expected = g.bias ? bias[o] : 0.0, magnitude = std::fabs(expected);
-                for (int64_t i = 0; i < in; ++i) {
-                  expected += (double)x[r * x_stride + i] * w[o * in + i];
-                  magnitude += std::fabs((double)x[r * x_stride + i] * w[o * in + i]);
-                }
-                CHECK(std::fabs(y[r * y_stride + o] - expected) <= 1e-6 * magnitude + 1e-6,
-                      "format %d path %d in %ld out %ld rows %ld: y[%ld][%ld] = %.8g, expected %.8g",
-                      (int)format, (int)path, (long)in, (long)out, (long)rows, (long)r, (long)o,
-                      y[r * y_stride + o], expected);
-              }
-              for (int64_t o = out; o < y_stride; ++o) EXPECT(y[r * y_stride + o] == -7.0f);
-            }
+            check_rows("quant_gemm", (int)format, (int)path, in, out, rows, gen, [&](fsd::cpu::QuantGemm& g) {
+              g.w = m.view(), g.path = path;
+              fsd::cpu::quant_gemm(g, chunks_of_3);
+            }, [&](float x, int64_t o, int64_t i) { return (double)x * w[o * in + i]; });
           }
         }
       }
@@ -218,30 +229,10 @@ void test_prompt_products_match_the_definition() {
         for (QuantPath path : {QuantPath::Amx, QuantPath::Portable}) {
           for (int64_t rows : {1, 17, 40, 300}) {
             if (path == QuantPath::Portable && rows == 300 && in == 1280) continue;  // slow, and the same loops
-            const int64_t x_stride = in + 3, y_stride = out + 2;
-            std::vector<float> x(rows * x_stride), bias(out), y(rows * y_stride, -7.0f);
-            std::normal_distribution<float> normal(0.0f, 1.0f);
-            for (auto& v : x) v = normal(gen);
-            for (int64_t o = 0; o < out; ++o) bias[o] = 0.125f * (float)o;
-            fsd::cpu::QuantGemm g;
-            g.w = m.view(), g.x = x.data(), g.x_stride = x_stride;
-            g.bias = rows % 2 ? bias.data() : nullptr, g.y = y.data(), g.y_stride = y_stride;
-            g.rows = rows, g.path = path;
-            fsd::cpu::quant_prompt_gemm(g, chunks_of_3);
-            for (int64_t r = 0; r < rows; ++r) {
-              for (int64_t o = 0; o < out; ++o) {
-                double expected = g.bias ? bias[o] : 0.0, magnitude = std::fabs(expected);
-                for (int64_t i = 0; i < in; ++i) {
-                  const double product = bfloat16_value(x[r * x_stride + i]) * w[o * in + i];
-                  expected += product, magnitude += std::fabs(product);
-                }
-                CHECK(std::fabs(y[r * y_stride + o] - expected) <= 1e-6 * magnitude + 1e-6,
-                      "prompt: format %d path %d in %ld out %ld rows %ld: y[%ld][%ld] = %.8g, expected %.8g",
-                      (int)format, (int)path, (long)in, (long)out, (long)rows, (long)r, (long)o,
-                      y[r * y_stride + o], expected);
-              }
-              for (int64_t o = out; o < y_stride; ++o) EXPECT(y[r * y_stride + o] == -7.0f);
-            }
+            check_rows("prompt", (int)format, (int)path, in, out, rows, gen, [&](fsd::cpu::QuantGemm& g) {
+              g.w = m.view(), g.path = path;
+              fsd::cpu::quant_prompt_gemm(g, chunks_of_3);
+            }, [&](float x, int64_t o, int64_t i) { return bfloat16_value(x) * w[o * in + i]; });
           }
         }
       }
