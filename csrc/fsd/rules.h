@@ -62,6 +62,14 @@ FSD_INLINE bool coin_acceptance_settles(Rule rule, bool caller_reads_divergences
   return (rule == Rule::SD || rule == Rule::FSD) && !caller_reads_divergences;
 }
 
+// Whether a coin that rejects d_i settles the rejection before D_i is known: under sd the coin
+// alone decides, so the positions after it are neither accepted nor sampled from, and only a
+// caller that asked for the divergences would read theirs. (Under fsd a divergence below the
+// threshold may still accept the position.)
+FSD_INLINE bool coin_rejection_settles(Rule rule, bool caller_reads_divergences) {
+  return rule == Rule::SD && !caller_reads_divergences;
+}
+
 // What is emitted after the accepted prefix.
 enum class Emit : int32_t {
   TargetArgmax,  // argmax p_i (lowest id on ties)

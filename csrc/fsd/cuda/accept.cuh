@@ -11,12 +11,13 @@
 //   decision, per (row, position, chunk): the full-row distributions from the chunk statistics,
 //       then one pass over the chunk for the divergence terms and the residual mass (skipped
 //       where the coin already accepts the draft under sd or fsd and the caller does not read the
-//       divergences: rules.h, coin_acceptance_settles); where the position's token would be drawn
-//       from p (the bonus position, FSD-strict's corrections), the chunk's sum of p's weights as
-//       the draw's scan adds them (so the draw is that of its float weights summed exactly). The
-//       last block of a row to finish (atomic counter) sums the chunk results, runs the acceptance
-//       scan (rules.h) and draws the one correction / bonus token by inverse CDF: chunk totals
-//       first, then a block scan inside the chosen chunk.
+//       divergences: rules.h, coin_acceptance_settles; on the split path, under sd, also after an
+//       earlier position whose coin rejects: coin_rejection_settles); where the position's token
+//       would be drawn from p (the bonus position, FSD-strict's corrections), the chunk's sum of
+//       p's weights as the draw's scan adds them (so the draw is that of its float weights summed
+//       exactly). The last block of a row to finish (atomic counter) sums the chunk results, runs
+//       the acceptance scan (rules.h) and draws the one correction / bonus token by inverse CDF:
+//       chunk totals first, then a block scan inside the chosen chunk.
 //
 // splits == 1 (filters, a one-chunk vocabulary, greedy without divergences): one launch,
 // accept_stats_kernel<..., kFused=true> does both phases per block, pass 2 backwards right after
@@ -219,6 +220,41 @@ __device__ __forceinline__ bool position_accepts(const AcceptProblem& pb, int64_
   const double q_token = exp(q.log_prob_precise(drafted.draft, drafted.token));
   const double coin = draw_uniform(pb.key, b, i, Purpose::Accept);
   return accept_draft(pb.rule, divergence, pb.threshold.at(b), coin, p_token, q_token, drafted.token == argmax_t);
+}
+
+// Position j of row b from its chunk records (warp-collective, the results on lane 0): the target
+// and draft statistics and the sampling distributions p and q (q one-hot at the bonus position
+// j == nd, which has no draft row).
+struct PositionView {
+  FullStat st_t, st_d;
+  Dist p, q;
+};
+__device__ __forceinline__ PositionView warp_view_position(const AcceptProblem& pb, const AcceptWorkspace& ws, int64_t b,
+                                                           int64_t j, int64_t nd, const RowTemps& temps) {
+  const int64_t slot = (b * (pb.max_draft + 1) + j) * 2;
+  const bool filtered = ws.splits == 1 && ws.filters != nullptr;
+  PositionView v;
+  warp_combine_position(ws.chunk_stats + slot * ws.splits, ws.splits, j < nd, temps.inv_s, temps.inv_d, v.st_t, v.st_d);
+  if ((threadIdx.x & 31) == 0) {
+    v.p = sampling_dist(v.st_t, temps, filtered ? ws.filters + slot : nullptr);
+    v.q = j < nd ? sampling_dist(v.st_d, temps, filtered ? ws.filters + slot + 1 : nullptr) : one_hot_dist(0.0f, 0);
+  }
+  return v;
+}
+
+// Whether the coin of drafted position j of row b rejects it (or j makes the row invalid), decided
+// from the same records, distributions and coin as finish_row decides it, before pass 2: where
+// coin_rejection_settles, the row's acceptance scan then stops at j or earlier. Warp-collective,
+// the result on lane 0 (false on the others).
+template <typename T>
+__device__ __forceinline__ bool warp_coin_rejects(const AcceptProblem& pb, const AcceptWorkspace& ws, int64_t b, int64_t j,
+                                                  int64_t nd, const RowTemps& temps) {
+  DraftLogits drafted{-1, 0.0f, 0.0f};
+  if ((threadIdx.x & 31) == 0) drafted = draft_logits_of<T>(pb, b, j);  // in flight during the combine
+  const PositionView v = warp_view_position(pb, ws, b, j, nd, temps);
+  if ((threadIdx.x & 31) != 0) return false;
+  const bool good = stat_good(v.st_t.flags) && stat_good(v.st_d.flags) && drafted.token >= 0;
+  return !good || !position_accepts(pb, b, j, v.p, v.q, v.st_t.argmax, __int_as_float(0x7FC00000), drafted);
 }
 
 // Whether the token drawn at position i (when the acceptance scan stops there) comes from p itself:
@@ -430,33 +466,42 @@ struct DecideShared {
   } temp;
 };
 
+// Whether, when decide_position runs, the chunk records of the row's other positions are complete
+// (the split path's second kernel) or may still be in flight (the one-launch paths).
+enum class OtherPositions : bool { InFlight, Done };
+
 // Pass 2 of one (row, position, chunk) and, in the last block of the row to get there, the row's
 // finish. Every block of the grid calls it exactly once (the counter counts them all). Pass 2 reads
 // the chunk through `target` / `draft` (indexed by vocabulary id): the logit rows in global memory,
 // or with kShared their copies staged in shared memory.
 template <typename T, bool kShared = false>
 __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const AcceptWorkspace& ws, int64_t c,
-                                                int64_t i, int64_t b, bool reverse, const T* target,
-                                                const T* draft, DecideShared& sh) {
+                                                int64_t i, int64_t b, bool reverse, OtherPositions others,
+                                                const T* target, const T* draft, DecideShared& sh) {
   const int64_t k = pb.max_draft, positions = k + 1, splits = ws.splits;
   const int64_t nd = row_num_draft(pb, b);
   const RowTemps temps = row_temps(pb, b);
   FSD_TRACE(pb, kTraceDecideBegin);
   if (nd >= 0 && nd <= k && i <= nd) {
+    // Under sd a coin's rejection is settled before pass 2, so a position after a rejected one is
+    // never accepted nor sampled from: its blocks skip pass 2 (with random drafts, most blocks of
+    // the positions after the first). Only where the earlier positions' records are complete;
+    // greedy rows have no pass 2 to skip.
+    const bool check_earlier = others == OtherPositions::Done && i > 0 && !temps.greedy &&
+                               coin_rejection_settles(pb.rule, pb.caller_reads_divergences());
+    bool earlier_rejected = false;
     if (threadIdx.x < 32) {  // warp 0 combines the chunk records of this position
       const int64_t slot = (b * positions + i) * 2;
-      const bool filtered = ws.splits == 1 && ws.filters != nullptr;
       // The coin's inputs first: these loads (the draft id, then the logits there) overlap the
       // combine's instead of following it on this block's critical path.
       const bool coin_first = coin_acceptance_settles(pb.rule, pb.caller_reads_divergences()) && i < nd;
       DraftLogits drafted{-1, 0.0f, 0.0f};
       if (threadIdx.x == 0 && coin_first) drafted = draft_logits_of<T>(pb, b, i);
-      FullStat st_t, st_d;
-      warp_combine_position(ws.chunk_stats + slot * splits, splits, i < nd, temps.inv_s, temps.inv_d, st_t, st_d);
+      const PositionView view = warp_view_position(pb, ws, b, i, nd, temps);
       if (threadIdx.x == 0) {
-        const Dist p = sampling_dist(st_t, temps, filtered ? ws.filters + slot : nullptr);
-        const Dist q = i < nd ? sampling_dist(st_d, temps, filtered ? ws.filters + slot + 1 : nullptr)
-                              : one_hot_dist(0.0f, 0);
+        const bool filtered = ws.splits == 1 && ws.filters != nullptr;
+        const FullStat &st_t = view.st_t, &st_d = view.st_d;
+        const Dist p = view.p, q = view.q;
         sh.dists[0] = p;
         sh.dists[1] = q;
         sh.dists[2] = divergence_dist(st_t, temps, p, pb.div_uses_sampling);
@@ -479,11 +524,16 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
         if (accepted_early && pb.need_divergence)  // D_i not computed: finish_row writes NaN
           ws.pass_two[(b * positions + i) * splits + c] = skipped_pass_two();
       }
+    } else if (check_earlier) {  // warps 1.. decide the earlier positions, as finish_row will
+      for (int64_t j = threadIdx.x / 32 - 1; j < i; j += kThreads / 32 - 1)
+        earlier_rejected = warp_coin_rejects<T>(pb, ws, b, j, nd, temps) || earlier_rejected;
     }
-    __syncthreads();
+    const bool after_rejection = __syncthreads_and(!earlier_rejected) == 0;
     FSD_TRACE(pb, kTraceDists);
+    if (after_rejection && threadIdx.x == 0)  // nothing reads the record; NaN rather than stale
+      ws.pass_two[(b * positions + i) * splits + c] = skipped_pass_two();
     const bool need_residual = (pb.rule == Rule::SD || pb.rule == Rule::FSD) && !temps.greedy;
-    const bool used = sh.good && !sh.accepted_early;
+    const bool used = sh.good && !sh.accepted_early && !after_rejection;
     const bool run_pass_two = used && i < nd && (pb.need_divergence || need_residual);
     // Where the draw at i would come from p and the vocabulary is split, the chunk's total of p's
     // weights for finish_row's chunk choice (its step 4 says why). The bonus position's blocks have
@@ -549,7 +599,8 @@ __global__ void __launch_bounds__(kThreads, 2) accept_decide_kernel(const Accept
   const int64_t positions = pb.max_draft + 1, splits = ws.splits;
   const int64_t c = blockIdx.x % splits, i = (blockIdx.x / splits) % positions, b = blockIdx.x / (splits * positions);
   __shared__ DecideShared sh;
-  decide_position<T>(pb, ws, c, i, b, false, target_row<T>(pb, b, i), draft_row<T>(pb, b, i), sh);
+  decide_position<T>(pb, ws, c, i, b, false, OtherPositions::Done, target_row<T>(pb, b, i), draft_row<T>(pb, b, i),
+                     sh);
 }
 
 // First launch: statistics per (row, position, chunk); with splits == 1 also everything else.
@@ -568,7 +619,8 @@ __global__ void __launch_bounds__(kThreads, kFused ? 2 : 4) accept_stats_kernel(
     // last in pass 1 are still in L2.
     __shared__ DecideShared sh;
     __syncthreads();
-    decide_position<T>(pb, ws, c, i, b, true, target_row<T>(pb, b, i), draft_row<T>(pb, b, i), sh);
+    decide_position<T>(pb, ws, c, i, b, true, OtherPositions::InFlight, target_row<T>(pb, b, i), draft_row<T>(pb, b, i),
+                       sh);
   }
 }
 
@@ -611,11 +663,11 @@ __global__ void __launch_bounds__(kThreads, 2) accept_cluster_kernel(const Accep
     // to the L2 loads in decide_position.
     cooperative_groups::this_cluster().sync();
     FSD_TRACE(pb, kTraceStatsEnd);  // the cluster's statistics published
-    decide_position<T, true>(pb, ws, c, i, b, false, staged_target, staged_draft, sh);
+    decide_position<T, true>(pb, ws, c, i, b, false, OtherPositions::InFlight, staged_target, staged_draft, sh);
   } else {
     if (nd >= 0 && nd <= k && i <= nd) position_stats<T, false>(pb, ws, c, i, b, nd);
     cooperative_groups::this_cluster().sync();  // (as above)
-    decide_position<T>(pb, ws, c, i, b, true, target, draft, sh);
+    decide_position<T>(pb, ws, c, i, b, true, OtherPositions::InFlight, target, draft, sh);
   }
 #endif
 }

@@ -2,7 +2,8 @@
 // (benchmarks/accept_trace.cu). Off unless the kernels are compiled with -DFSD_CUDA_TRACE: then
 // AcceptProblem carries a `trace` pointer and, at each FSD_TRACE(pb, tag) point, thread 0 of the
 // block appends {global time, SM clock, block, SM, tag} to a device buffer. Without the macro
-// every point compiles to nothing, so the extension's kernels are untouched.
+// every point compiles to nothing, so the extension's kernels are untouched (the CPU simulation
+// of the kernels counts the points instead).
 //
 // A point marks the end of a phase that ends with a block barrier (or the start of a kernel), so
 // thread 0's clock stands for the block's.
@@ -57,6 +58,9 @@ __device__ __forceinline__ void trace_point(const void* sink_ptr, uint32_t tag) 
   if (at < sink->capacity) sink->records[at] = TraceRecord{ns, cycles, blockIdx.x, tag, sm, 0u};
 }
 #define FSD_TRACE(pb, tag) ::fsd::cuda::trace_point((pb).trace, (tag))
+#elif defined(FSD_CUDA_SIM)
+// The CPU simulation of the kernels (csrc/fsd/tests/cuda_sim) counts the points blocks reach.
+#define FSD_TRACE(pb, tag) ::sim::trace_point(tag)
 #else
 #define FSD_TRACE(pb, tag) ((void)0)
 #endif

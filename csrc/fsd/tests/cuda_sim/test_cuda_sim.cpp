@@ -33,6 +33,7 @@
 #include "../fuzz_inputs.h"
 #include "fsd/cpu/kernels.h"
 #include "fsd/cuda/launch.h"
+#include "fsd/cuda/trace.cuh"  // the trace points the simulation counts
 #include "fsd/philox.h"
 
 namespace {
@@ -501,6 +502,58 @@ BonusDraws compare_bonus_draws(Rng& rng) {
   return t;
 }
 
+// Sd on the split path with the divergences unread: a position's blocks run pass 2 only where its
+// coin rejects the draft and every earlier position's coin accepts, so `splits` blocks per row
+// that rejects one (the bonus position only sums p's weights, which is not pass 2). The blocks
+// that ran it are counted by the simulation's trace points. The control is the same problem
+// under fsd with threshold 0: no divergence lies below it, so its rows decide as sd's (the same
+// tokens), but a coin's rejection no longer settles a position before pass 2, and every position
+// whose coin rejects runs it; with many rows rejecting twice or more, that must be more blocks.
+struct PassTwoBlocks {
+  int64_t sd = 0, fsd = 0, rejecting_rows = 0;
+};
+PassTwoBlocks count_pass_two_blocks(uint64_t seed) {
+  // (The planner's chunks hold at least 4096 ids, in whole 2048-id granules: 4 of 16001 ids.)
+  const int64_t batch = 32, k = 5, vocab = 16001, splits = 4;
+  PassTwoBlocks counted;
+  std::vector<int64_t> sd_tokens;
+  for (const fsd::Rule rule : {fsd::Rule::SD, fsd::Rule::FSD}) {
+    Rng rng(seed);  // the same logits, drafts and seed for both rules
+    AcceptCase c;
+    separated_accept_case(rng, c, batch, k, vocab, DType::BFloat16, rule);
+    c.problem.divergences_wanted = false;
+    c.problem.threshold.scalar = 0.0f;
+    AcceptOutputs cpu, gpu;
+    cpu.attach(c.problem);
+    fsd::cpu::accept(c.problem);
+    fsd::AcceptProblem q = c.problem;
+    gpu.attach(q);
+    default_launch(0);
+    set_env("FSD_EXT_CUDA_SPLITS", std::to_string(splits));
+    const sim::LaunchCounts launches_before = sim::counts;
+    const int64_t before = sim::trace_points[fsd::cuda::kTracePassTwo].load();
+    CHECK(launch_accept_on(q, 0x5A), "pass-2 count: launch failed");
+    const int64_t blocks = sim::trace_points[fsd::cuda::kTracePassTwo].load() - before;
+    CHECK((sim::counts - launches_before).launches == 2, "pass-2 count: not the split path");
+    CHECK(gpu.tokens == cpu.tokens && gpu.accepted == cpu.accepted, "pass-2 count, rule %d: tokens differ from the CPU's",
+          (int)rule);
+    if (rule == fsd::Rule::SD) {
+      counted.sd = blocks;
+      sd_tokens = gpu.tokens;
+      for (int64_t b = 0; b < batch; ++b) counted.rejecting_rows += gpu.valid[b] && gpu.accepted[b] < k;
+    } else {
+      counted.fsd = blocks;
+      CHECK(gpu.tokens == sd_tokens, "pass-2 count: fsd with threshold 0 did not decide as sd");
+    }
+  }
+  set_env("FSD_EXT_CUDA_SPLITS", "");
+  CHECK(counted.sd == splits * counted.rejecting_rows, "sd: %ld blocks ran pass 2, expected %ld (%ld rows reject)",
+        (long)counted.sd, (long)(splits * counted.rejecting_rows), (long)counted.rejecting_rows);
+  CHECK(counted.fsd > counted.sd, "the control (fsd, threshold 0) ran pass 2 in %ld blocks, sd in %ld",
+        (long)counted.fsd, (long)counted.sd);
+  return counted;
+}
+
 // Diagnostic (not part of the test): how often CPU and CUDA sampled tokens differ on `rows` rows of
 // N(0, scale^2) float32 logits of `vocab` ids, through fsd_ext.sample and through accept's bonus /
 // correction (sd and fsd-strict, below), and which kernel is off the exact (long double) draw.
@@ -632,6 +685,9 @@ int main(int argc, char** argv) {
   CHECK(bonus.cuda_off == 0, "%ld CUDA bonus draws off the exact draw", (long)bonus.cuda_off);
   CHECK(bonus.cpu_off <= 1, "%ld CPU bonus draws off the exact draw", (long)bonus.cpu_off);
   CHECK(bonus.differ <= 1, "%ld of %ld bonus draws differ", (long)bonus.differ, (long)bonus.rows);
+  const PassTwoBlocks pass_two = count_pass_two_blocks(rng.engine());
+  std::printf("sd on the split path: %ld blocks ran pass 2 (%ld rows reject a draft, 4 chunks each); the control "
+              "(fsd, threshold 0): %ld\n", (long)pass_two.sd, (long)pass_two.rejecting_rows, (long)pass_two.fsd);
   // Rare floating-point ties aside the kernels agree row for row: at least 99.9% of the rows (as
   // issue 3 asks of a large batch), and one row more on a short run.
   std::printf("accept: %ld rows, %ld differ; sample: %ld rows, %ld differ, %ld calls on the split path (kernel "

@@ -24,6 +24,7 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -132,6 +133,14 @@ inline LaunchCounts counts;
 inline LaunchCounts operator-(const LaunchCounts& a, const LaunchCounts& b) {
   return {a.launches - b.launches, a.cluster_launches - b.cluster_launches,
           a.dependent_launches - b.dependent_launches};
+}
+
+// How many blocks reached each FSD_TRACE point (csrc/fsd/cuda/trace.cuh, by tag; thread 0 counts
+// for its block), so a test can check which phases a call ran, e.g. how many blocks ran pass 2.
+constexpr int kTracePoints = 32;
+inline std::atomic<int64_t> trace_points[kTracePoints];
+inline void trace_point(uint32_t tag) {
+  if (threadIdx.x == 0 && tag < (uint32_t)kTracePoints) trace_points[tag].fetch_add(1, std::memory_order_relaxed);
 }
 
 // Per kernel: the dynamic shared memory it may use and whether it may form non-portable clusters
