@@ -132,16 +132,22 @@ void print_row_inputs(const AcceptCase& c, int64_t b, const AcceptOutputs& cpu_o
   }
 }
 
+// Runs c's problem on the CPU kernel into `cpu`; returns a copy of it that writes into `gpu`, for
+// the CUDA launch to compare with.
+fsd::AcceptProblem run_on_cpu(AcceptCase& c, AcceptOutputs& cpu, AcceptOutputs& gpu) {
+  cpu.attach(c.problem);
+  fsd::cpu::accept(c.problem);
+  fsd::AcceptProblem q = c.problem;
+  gpu.attach(q);
+  return q;
+}
+
 // Runs c's problem on both kernels and compares. `seed_shift` != 0 gives the CUDA side another
 // seed (the negative control). Returns the rows compared and how many differ in tokens.
 Tally compare_accept(AcceptCase& c, int n, int64_t seed_shift) {
-  fsd::AcceptProblem& p = c.problem;
+  const fsd::AcceptProblem& p = c.problem;
   AcceptOutputs cpu_out, gpu_out;
-  cpu_out.attach(p);
-  fsd::cpu::accept(p);
-
-  fsd::AcceptProblem q = p;
-  gpu_out.attach(q);
+  fsd::AcceptProblem q = run_on_cpu(c, cpu_out, gpu_out);
   q.key.seed.scalar += seed_shift;
   std::vector<int64_t> shifted_seeds = c.key_storage;
   for (auto& s : shifted_seeds) s += seed_shift;
@@ -478,10 +484,7 @@ BonusDraws compare_bonus_draws(Rng& rng) {
   c.problem.temperature.scalar = c.problem.div_temperature.scalar = 1.0f;
   c.problem.key.seed.scalar = (int64_t)rng.engine();
   AcceptOutputs cpu, gpu;
-  cpu.attach(c.problem);
-  fsd::cpu::accept(c.problem);
-  fsd::AcceptProblem q = c.problem;
-  gpu.attach(q);
+  fsd::AcceptProblem q = run_on_cpu(c, cpu, gpu);
   default_launch(2);
   const sim::LaunchCounts before = sim::counts;
   CHECK(launch_accept_on(q, 0x3C), "bonus draws: launch failed");
@@ -524,10 +527,7 @@ PassTwoBlocks count_pass_two_blocks(uint64_t seed) {
     c.problem.divergences_wanted = false;
     c.problem.threshold.scalar = 0.0f;
     AcceptOutputs cpu, gpu;
-    cpu.attach(c.problem);
-    fsd::cpu::accept(c.problem);
-    fsd::AcceptProblem q = c.problem;
-    gpu.attach(q);
+    fsd::AcceptProblem q = run_on_cpu(c, cpu, gpu);
     default_launch(0);
     set_env("FSD_EXT_CUDA_SPLITS", std::to_string(splits));
     const sim::LaunchCounts launches_before = sim::counts;
@@ -621,10 +621,7 @@ int sampling_parity(int64_t vocab, int64_t rows, float scale) {
     c.problem.temperature.scalar = c.problem.div_temperature.scalar = 1.0f;
     c.problem.key.seed.scalar = 123;
     AcceptOutputs a, g;
-    a.attach(c.problem);
-    fsd::cpu::accept(c.problem);
-    fsd::AcceptProblem q = c.problem;
-    g.attach(q);
+    fsd::AcceptProblem q = run_on_cpu(c, a, g);
     CHECK(launch_accept_on(q, 0), "launch");
     int64_t bonus_rows = 0, accepted_differ = 0;
     Attribution bonus, correction;
