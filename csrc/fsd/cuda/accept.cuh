@@ -222,6 +222,12 @@ __device__ __forceinline__ bool position_accepts(const AcceptProblem& pb, int64_
   return accept_draft(pb.rule, divergence, pb.threshold.at(b), coin, p_token, q_token, drafted.token == argmax_t);
 }
 
+// The filter records of a (row, position) slot, target then draft; nullptr where there are none
+// (no filter, or the split path: the planner never splits a filtered call).
+__device__ __forceinline__ const FilterInfo* slot_filters(const AcceptWorkspace& ws, int64_t slot) {
+  return ws.splits == 1 && ws.filters != nullptr ? ws.filters + slot : nullptr;
+}
+
 // Position j of row b from its chunk records (warp-collective, the results on lane 0): the target
 // and draft statistics and the sampling distributions p and q (q one-hot at the bonus position
 // j == nd, which has no draft row).
@@ -232,12 +238,12 @@ struct PositionView {
 __device__ __forceinline__ PositionView warp_view_position(const AcceptProblem& pb, const AcceptWorkspace& ws, int64_t b,
                                                            int64_t j, int64_t nd, const RowTemps& temps) {
   const int64_t slot = (b * (pb.max_draft + 1) + j) * 2;
-  const bool filtered = ws.splits == 1 && ws.filters != nullptr;
+  const FilterInfo* filters = slot_filters(ws, slot);
   PositionView v;
   warp_combine_position(ws.chunk_stats + slot * ws.splits, ws.splits, j < nd, temps.inv_s, temps.inv_d, v.st_t, v.st_d);
   if ((threadIdx.x & 31) == 0) {
-    v.p = sampling_dist(v.st_t, temps, filtered ? ws.filters + slot : nullptr);
-    v.q = j < nd ? sampling_dist(v.st_d, temps, filtered ? ws.filters + slot + 1 : nullptr) : one_hot_dist(0.0f, 0);
+    v.p = sampling_dist(v.st_t, temps, filters);
+    v.q = j < nd ? sampling_dist(v.st_d, temps, filters ? filters + 1 : nullptr) : one_hot_dist(0.0f, 0);
   }
   return v;
 }
@@ -499,7 +505,7 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
       if (threadIdx.x == 0 && coin_first) drafted = draft_logits_of<T>(pb, b, i);
       const PositionView view = warp_view_position(pb, ws, b, i, nd, temps);
       if (threadIdx.x == 0) {
-        const bool filtered = ws.splits == 1 && ws.filters != nullptr;
+        const FilterInfo* filters = slot_filters(ws, slot);
         const FullStat &st_t = view.st_t, &st_d = view.st_d;
         const Dist p = view.p, q = view.q;
         sh.dists[0] = p;
@@ -508,10 +514,10 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
         sh.dists[3] = divergence_dist(st_d, temps, q, pb.div_uses_sampling);
         sh.good = stat_good(st_t.flags) && (i == nd || stat_good(st_d.flags));
         TopBuckets t = no_buckets();
-        if (filtered && ws.filters[slot].top_on) {
+        if (filters && filters->top_on) {  // the target's record holds div_top_k's threshold
           t.on = true;
-          t.key = ws.filters[slot].top_key;
-          t.tie_last = ws.filters[slot].tie_last;
+          t.key = filters->top_key;
+          t.tie_last = filters->tie_last;
         }
         sh.top = t;
         if (c == 0) ws.positions[b * positions + i] = PositionInfo{p, q, st_t.flags, st_d.flags, st_t.argmax, 0};
