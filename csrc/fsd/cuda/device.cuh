@@ -62,9 +62,18 @@ __device__ __forceinline__ float raw_to_float(Float16 x) {
 #endif
 }
 
+// The CUDA simulation (csrc/fsd/tests/cuda_sim) counts the bytes these load helpers read from the
+// buffers a test watches, to measure how many times a launch path reads the logits.
+#ifdef FSD_CUDA_SIM
+#define FSD_SIM_READ(p, bytes) ::sim::global_read((p), (bytes))
+#else
+#define FSD_SIM_READ(p, bytes) ((void)0)
+#endif
+
 // One logit, unclamped (the bad-row check needs to see +inf as non-finite).
 template <typename T>
 __device__ __forceinline__ float load_raw(const T* p) {
+  FSD_SIM_READ(p, sizeof(T));
   return raw_to_float(*p);
 }
 
@@ -102,6 +111,7 @@ __device__ __forceinline__ void decode_vec(const uint4 word, float (&out)[VecWid
 template <bool kShared, typename T>
 __device__ __forceinline__ uint4 load_word(const T* p) {
   const uint4* word = reinterpret_cast<const uint4*>(p);
+  if constexpr (!kShared) FSD_SIM_READ(p, 16);
   return kShared ? *word : __ldg(word);
 }
 
@@ -300,6 +310,7 @@ __device__ __forceinline__ RowStat block_stage_stat(const T* __restrict__ row, T
   if (end > begin) with_same_inv(inv_s, inv_d, [&](auto same) {
     constexpr bool kSame = decltype(same)::value;
     auto scalar = [&](int64_t j) {
+      FSD_SIM_READ(row + j, sizeof(T));
       const T raw = row[j];
       staged[j] = raw;
       const float v = raw_to_float(raw);
@@ -308,14 +319,13 @@ __device__ __forceinline__ RowStat block_stage_stat(const T* __restrict__ row, T
     const int64_t head_end = vector_head_end(row, begin, end);
     for (int64_t j = begin + threadIdx.x; j < head_end; j += blockDim.x) scalar(j);
     const int64_t vectors = (end - head_end) / N;
-    const uint4* src = reinterpret_cast<const uint4*>(row + head_end);
     uint4* dst = reinterpret_cast<uint4*>(staged + head_end);
     for (int64_t first = threadIdx.x; first < vectors; first += (int64_t)kUnroll * blockDim.x) {
       uint4 words[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t t = first + (int64_t)u * blockDim.x;
-        if (t < vectors) words[u] = __ldg(src + t);
+        if (t < vectors) words[u] = load_word<false>(row + head_end + t * N);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {

@@ -19,6 +19,8 @@
 // FSD_SIM_SEED=n draws other cases, FSD_SIM_VERBOSE=1 prints the inputs of rows that differ)
 //        test_cuda_sim --sampling-parity V rows scale   (a diagnostic, see sampling_parity; with
 //        FSD_SIM_PARITY_SPLITS=n both ops take the split path with n chunks)
+//        test_cuda_sim --logit-reads B K V   (a diagnostic: how many times each launch path reads
+//        the logits on the GPU benchmark's inputs, see count_logit_reads)
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -554,6 +556,113 @@ PassTwoBlocks count_pass_two_blocks(uint64_t seed) {
   return counted;
 }
 
+// How many times a launch path reads the logits, on the GPU benchmark's inputs
+// (benchmarks/bench_accept_cuda.py, make_inputs): target N(0, 9), drafts the target plus N(0, 1),
+// drafted ids uniform, fsd / js at T = 0.3 unless the row says otherwise. The simulation counts the
+// bytes the kernels' load helpers read from the two logit buffers (device.cuh, FSD_SIM_READ), in
+// units of the logits' size. A memory-bound step that reads r times the logits, none of it from L2,
+// reaches at most 1/r of the read bandwidth.
+struct ReadCount {
+  const char* rule_name;
+  const char* path;
+  double total = 0, first_launch = 0;  // in logits' sizes
+  int64_t launches = 0;
+};
+
+void benchmark_accept_case(Rng& rng, AcceptCase& c, int64_t batch, int64_t k, int64_t vocab, DType dtype) {
+  for (Logits* l : {&c.target, &c.draft}) l->dtype = dtype, l->vocab = l->row_stride = vocab;
+  c.target.rows = batch * (k + 1), c.draft.rows = batch * k;
+  c.target.values.resize(c.target.rows * vocab);
+  c.draft.values.resize(c.draft.rows * vocab);
+  for (float& v : c.target.values) v = 3.0f * rng.normal();
+  for (int64_t r = 0; r < c.draft.rows; ++r)
+    for (int64_t j = 0; j < vocab; ++j)
+      c.draft.values[r * vocab + j] = c.target.at(r / k * (k + 1) + r % k, j) + rng.normal();
+  store_logits(c.target);
+  store_logits(c.draft);
+  c.num_draft.assign(batch, k);
+  c.tokens64.resize(batch * k);
+  for (int64_t& t : c.tokens64) t = rng.integer(0, vocab - 1);
+}
+
+// The read counts of the benchmark's rules on each launch path, at batch x k x vocab (bf16) on
+// simulated device `device`; tokens must equal the CPU kernel's in every call.
+std::vector<ReadCount> count_logit_reads(int64_t batch, int64_t k, int64_t vocab, int device) {
+  Rng rng(11);
+  AcceptCase c;
+  benchmark_accept_case(rng, c, batch, k, vocab, DType::BFloat16);
+  const size_t target_bytes = c.target.u16.size() * 2, draft_bytes = c.draft.u16.size() * 2;
+  struct Rule { const char* name; fsd::Rule rule; bool divergences; };
+  const Rule rules[] = {{"fsd/js", fsd::Rule::FSD, false}, {"sd", fsd::Rule::SD, false},
+                        {"fsd/js +divergences", fsd::Rule::FSD, true}, {"fsd_strict/js", fsd::Rule::FSDStrict, true}};
+  struct Path { const char* name; const char* env; const char* value; };
+  const Path paths[] = {{"planner", nullptr, nullptr}, {"whole rows", "FSD_EXT_CUDA_SPLITS", "1"},
+                        {"staged clusters", "FSD_EXT_CUDA_STAGED", "1"}, {"unstaged clusters", "FSD_EXT_CUDA_CLUSTER", "1"}};
+  std::vector<ReadCount> counts;
+  for (const Rule& r : rules) {
+    bind_accept_problem(c, batch, k, false, false);
+    fsd::AcceptProblem& p = c.problem;
+    p.rule = r.rule;
+    p.divergence = fsd::Divergence::JS;
+    p.threshold.scalar = 0.3f;
+    p.temperature.scalar = p.div_temperature.scalar = 1.0f;
+    p.key.seed.scalar = 1;
+    p.need_divergence = fsd::rule_needs_divergence(r.rule) || r.divergences;
+    p.divergences_wanted = r.divergences;
+    AcceptOutputs cpu, gpu;
+    fsd::AcceptProblem q = run_on_cpu(c, cpu, gpu);
+    for (const Path& path : paths) {
+      default_launch(device);
+      if (path.env) set_env(path.env, path.value);
+      sim::watch_reads({{c.target.data(), target_bytes}, {c.draft.data(), draft_bytes}});
+      CHECK(launch_accept_on(q, 0x3C), "read count: launch failed");
+      CHECK(gpu.tokens == cpu.tokens && gpu.accepted == cpu.accepted, "read count %s, %s: tokens differ from the CPU's",
+            r.name, path.name);
+      ReadCount n{r.name, path.name};
+      const double size = (double)(target_bytes + draft_bytes);
+      n.total = (double)sim::watched_bytes_read.load() / size;
+      n.first_launch = sim::reads_per_launch.empty() ? 0.0 : (double)sim::reads_per_launch[0] / size;
+      n.launches = (int64_t)sim::reads_per_launch.size();
+      counts.push_back(n);
+    }
+  }
+  sim::watch_reads({});
+  default_launch(0);
+  return counts;
+}
+
+void print_read_counts(const std::vector<ReadCount>& counts) {
+  std::printf("  %-20s %-18s %8s %13s %9s\n", "rule", "path", "reads", "first launch", "launches");
+  for (const ReadCount& n : counts)
+    std::printf("  %-20s %-18s %7.3fx %12.3fx %9ld\n", n.rule_name, n.path, n.total, n.first_launch, (long)n.launches);
+}
+
+// Checks of the counts at a small shape: the statistics launch of the split path reads every logit
+// exactly once, and the staged clusters read them once in all but for the row finish's scan of
+// one chunk per row (target and draft rows, <= 2 chunks of the row's 2K + 1) and the coins' two
+// logits per draft.
+void check_logit_reads() {
+  const int64_t batch = 8, k = 5, vocab = 65536;  // device 1 (16 SMs): 48 rows fill it, 4 chunks of 16384
+  const std::vector<ReadCount> counts = count_logit_reads(batch, k, vocab, 1);
+  std::printf("logit reads, B %ld K %ld V %ld bf16 (the benchmark's inputs), in logits' sizes:\n", (long)batch, (long)k,
+              (long)vocab);
+  print_read_counts(counts);
+  // Both paths cut these rows into chunks of 16384 ids (the staged planner: the smallest cluster
+  // whose chunks of both rows fit its shared-memory budget).
+  const double row_share = 1.0 / (2 * k + 1), chunk_share = row_share * 16384.0 / vocab;
+  for (const ReadCount& n : counts) {
+    if (std::strcmp(n.path, "planner") == 0) {
+      CHECK(n.launches == 2, "read count %s: the planner did not split (%ld launches)", n.rule_name, (long)n.launches);
+      CHECK(n.first_launch == 1.0, "read count %s: the statistics launch read %.6fx the logits", n.rule_name,
+            n.first_launch);
+    }
+    if (std::strcmp(n.path, "staged clusters") == 0)
+      CHECK(n.total >= 1.0 && n.total <= 1.0 + 2 * chunk_share + 1e-3, "read count %s: staged clusters read %.6fx",
+            n.rule_name, n.total);
+    CHECK(n.total >= 1.0 && n.total <= 3.0, "read count %s, %s: %.6fx", n.rule_name, n.path, n.total);
+  }
+}
+
 // Diagnostic (not part of the test): how often CPU and CUDA sampled tokens differ on `rows` rows of
 // N(0, scale^2) float32 logits of `vocab` ids, through fsd_ext.sample and through accept's bonus /
 // correction (sd and fsd-strict, below), and which kernel is off the exact (long double) draw.
@@ -656,6 +765,12 @@ int sampling_parity(int64_t vocab, int64_t rows, float scale) {
 int main(int argc, char** argv) {
   if (argc == 5 && std::strcmp(argv[1], "--sampling-parity") == 0)
     return sampling_parity(std::atoll(argv[2]), std::atoll(argv[3]), (float)std::atof(argv[4]));
+  if (argc == 5 && std::strcmp(argv[1], "--logit-reads") == 0) {
+    std::printf("logit reads, B %s K %s V %s bf16 (the benchmark's inputs, simulated device of 132 SMs):\n", argv[2],
+                argv[3], argv[4]);
+    print_read_counts(count_logit_reads(std::atoll(argv[2]), std::atoll(argv[3]), std::atoll(argv[4]), 0));
+    return fsd_test::failures ? 1 : 0;
+  }
   const char* env_cases = std::getenv("FSD_SIM_CASES");
   const int cases = argc > 1 ? std::atoi(argv[1]) : env_cases ? std::atoi(env_cases) : 300;
   const char* env_seed = std::getenv("FSD_SIM_SEED");  // another campaign of random cases
@@ -682,6 +797,7 @@ int main(int argc, char** argv) {
   CHECK(bonus.cuda_off == 0, "%ld CUDA bonus draws off the exact draw", (long)bonus.cuda_off);
   CHECK(bonus.cpu_off <= 1, "%ld CPU bonus draws off the exact draw", (long)bonus.cpu_off);
   CHECK(bonus.differ <= 1, "%ld of %ld bonus draws differ", (long)bonus.differ, (long)bonus.rows);
+  check_logit_reads();
   const PassTwoBlocks pass_two = count_pass_two_blocks(rng.engine());
   std::printf("sd on the split path: %ld blocks ran pass 2 (%ld rows reject a draft, 4 chunks each); the control "
               "(fsd, threshold 0): %ld\n", (long)pass_two.sd, (long)pass_two.rejecting_rows, (long)pass_two.fsd);

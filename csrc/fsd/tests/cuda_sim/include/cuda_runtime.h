@@ -143,6 +143,27 @@ inline void trace_point(uint32_t tag) {
   if (threadIdx.x == 0 && tag < (uint32_t)kTracePoints) trace_points[tag].fetch_add(1, std::memory_order_relaxed);
 }
 
+// Bytes the kernels read from the buffers a test watches (the logits), through device.cuh's load
+// helpers (FSD_SIM_READ), in all and per launch (reads_per_launch: one entry per launch since the
+// last watch_reads), so a test can see how many times a launch path reads the logits. The ranges
+// are set between launches and only read during them; the counters are atomics (a cluster's
+// blocks run on threads of their own).
+inline std::vector<std::pair<const char*, const char*>> watched_ranges;
+inline std::atomic<int64_t> watched_bytes_read{0};
+inline std::vector<int64_t> reads_per_launch;
+inline void watch_reads(std::vector<std::pair<const void*, size_t>> ranges) {
+  watched_ranges.clear();
+  for (const auto& [begin, bytes] : ranges)
+    watched_ranges.emplace_back(static_cast<const char*>(begin), static_cast<const char*>(begin) + bytes);
+  watched_bytes_read = 0;
+  reads_per_launch.clear();
+}
+inline void global_read(const void* p, size_t bytes) {
+  const char* at = static_cast<const char*>(p);
+  for (const auto& [begin, end] : watched_ranges)
+    if (at >= begin && at < end) watched_bytes_read.fetch_add((int64_t)bytes, std::memory_order_relaxed);
+}
+
 // Per kernel: the dynamic shared memory it may use and whether it may form non-portable clusters
 // (cudaFuncSetAttribute), as a launch checks them.
 struct KernelAttributes {
@@ -538,6 +559,7 @@ cudaError_t launch(const cudaLaunchConfig_t& config, void (*kernel)(Params...), 
       for (unsigned x = 0; x < gridDim.x; x += cluster_size) firsts.push_back(uint3{x, y, z});
   if (order == Order::Reverse) std::reverse(firsts.begin(), firsts.end());
   if (order == Order::Shuffled) std::shuffle(firsts.begin(), firsts.end(), std::mt19937_64(shuffle_seed++));
+  const int64_t read_before = watched_bytes_read.load();
   for (const uint3& first : firsts) {
     const uint64_t seed = shuffle_seed;
     shuffle_seed += cluster_size;
@@ -548,6 +570,7 @@ cudaError_t launch(const cudaLaunchConfig_t& config, void (*kernel)(Params...), 
       run_block(body, &call, threads, seed);
     }
   }
+  reads_per_launch.push_back(watched_bytes_read.load() - read_before);
   return cudaSuccess;
 }
 
