@@ -298,20 +298,25 @@ def gguf_linears_cache(gguf: Path) -> Path:
     return cache_dir() / "gguf-linears" / f"{gguf.stem}-{digest}.safetensors"
 
 
-def load(name_or_path: str, dtype: torch.dtype = torch.float32, device: str = "cpu",
+def load(name_or_path: str, dtype="auto", device: str = "cpu",
          convert: bool = True, gguf_file: Optional[str] = None,
-         attn_implementation: str = "sdpa", linear_weights=None):
+         attn_implementation: str = "sdpa", linear_weights="auto"):
     """-> (model in eval mode, tokenizer) for a built-in name (BUILTIN), an HF directory or hub id,
     or a path to a .gguf file.
 
-    gguf_file: load this GGUF file inside the directory `name_or_path` directly. convert=False:
-    load a built-in checkpoint from its GGUF every time instead of the converted cache folder.
-    linear_weights: None (the weights in `dtype`), or with dtype float32 on the CPU:
-    torch.bfloat16, the linear layers' weights stored in bfloat16 and the rest float32
-    (cpu_linear.store_linear_weights_bfloat16), or "gguf" for a GGUF checkpoint, the linear layers
-    reading the file's own quantised codes (gguf_weights.load_gguf_linear_weights; the repacked
-    codes are cached, see gguf_linears_cache). See default_linear_weights.
+    dtype: a torch.dtype (or its name), or "auto" (default_dtype: what `fsd-ext` picks for this
+    checkpoint and device, e.g. float32 with the GGUF file's own weights for the default pair on an
+    AVX-512 CPU, bfloat16 on a GPU). gguf_file: load this GGUF file inside the directory
+    `name_or_path` directly. convert=False: load a built-in checkpoint from its GGUF every time
+    instead of the converted cache folder.
+    linear_weights: "auto" (default_linear_weights, as `fsd-ext` picks them), None or "same" (the
+    weights in `dtype`), or with dtype float32 on the CPU: torch.bfloat16, the linear layers'
+    weights stored in bfloat16 and the rest float32 (cpu_linear.store_linear_weights_bfloat16), or
+    "gguf" for a GGUF checkpoint, the linear layers reading the file's own quantised codes
+    (gguf_weights.load_gguf_linear_weights; the repacked codes are cached, see
+    gguf_linears_cache). Pass dtype=torch.float32, linear_weights=None for the plain float32 model.
     """
+    dtype, linear_weights = resolve_load_options(name_or_path, device, dtype, linear_weights)
     float32_cpu = dtype == torch.float32 and str(device) == "cpu"
     if linear_weights not in (None, dtype) and not (linear_weights in (torch.bfloat16, "gguf") and float32_cpu):
         raise ValueError(f"linear_weights must be None, the model's dtype, or torch.bfloat16 or 'gguf' "

@@ -836,7 +836,7 @@ def test_tokenizer_mismatch_raises():
 def test_real_smollm2_greedy_matches_hf():
     from fsd_ext import models
 
-    model, tokenizer = models.load("smollm2-135m", dtype=torch.float32)
+    model, tokenizer = models.load("smollm2-135m", dtype=torch.float32, linear_weights=None)
     enc = tokenizer(["def fibonacci(n):", "The capital of France is"], return_tensors="pt",
                     padding=True, padding_side="left")
     expected = model.generate(**enc, do_sample=False, max_new_tokens=12,
@@ -851,8 +851,9 @@ def test_real_smollm2_greedy_matches_hf():
 def test_real_qwen_pair_few_tokens():
     from fsd_ext import models
 
-    target, tokenizer = models.load("qwen2.5-coder-1.5b", dtype=torch.float32)
-    draft, draft_tokenizer = models.load("qwen2.5-coder-0.5b", dtype=torch.float32)
+    target, tokenizer = models.load("qwen2.5-coder-1.5b", dtype=torch.float32, linear_weights=None)
+    draft, draft_tokenizer = models.load("qwen2.5-coder-0.5b", dtype=torch.float32,
+                                                linear_weights=None)
     check_tokenizers(tokenizer, draft_tokenizer)
     enc = tokenizer(["def is_prime(n):"], return_tensors="pt")
     expected = target.generate(**enc, do_sample=False, max_new_tokens=8)

@@ -432,6 +432,23 @@ def test_load_rejects_gguf_weights_without_a_gguf_checkpoint():
         models.load("qwen2.5-coder-0.5b", dtype=torch.bfloat16, linear_weights="gguf")
 
 
+def test_load_defaults_are_the_command_lines(monkeypatch):
+    """models.load() without dtype / linear_weights resolves them as `fsd-ext` does ("auto"), so the
+    Python API gets the same fast setup as the demo; explicit values pass through."""
+    seen = []
+
+    def resolve(name, device, dtype, linear_weights):
+        seen.append((name, device, dtype, linear_weights))
+        raise LookupError("stop before loading")
+
+    monkeypatch.setattr(models, "resolve_load_options", resolve)
+    for kwargs, expected in [({}, ("auto", "auto")), ({"dtype": torch.float32, "linear_weights": None},
+                                                      (torch.float32, None))]:
+        with pytest.raises(LookupError):
+            models.load("qwen2.5-coder-1.5b", **kwargs)
+        assert seen.pop() == ("qwen2.5-coder-1.5b", "cpu") + expected
+
+
 @pytest.mark.parametrize("path_name,built,device,expected", [
     ("avx512", True, "cpu", ("float32", "gguf")),
     ("avx2", True, "cpu", (None, None)),
@@ -455,7 +472,7 @@ def test_smollm2_real_file(tmp_path, monkeypatch):
     """A real llama-architecture GGUF file (SmolLM2-135M, Q4_1 mostly): every linear layer swapped
     (q / k reordered back), and the logits those of the float32 model."""
     monkeypatch.setenv("FSD_EXT_CACHE", str(tmp_path))
-    reference, tokenizer = models.load("smollm2-135m", dtype=torch.float32)
+    reference, tokenizer = models.load("smollm2-135m", dtype=torch.float32, linear_weights=None)
     model, _ = models.load("smollm2-135m", dtype=torch.float32, linear_weights="gguf")
     assert all(type(m) is not torch.nn.Linear for m in model.modules())
     cpu_linear.set_prompt_dtype(model, torch.float32)
