@@ -193,7 +193,7 @@ struct Options {
 };
 
 const char* const kSwitchNames[] = {"FSD_EXT_CUDA_SPLITS", "FSD_EXT_CUDA_PDL", "FSD_EXT_CUDA_CLUSTER",
-                                    "FSD_EXT_CUDA_STAGED"};
+                                    "FSD_EXT_CUDA_STAGED", "FSD_EXT_CUDA_REVERSE_DECIDE"};
 
 #ifndef FSD_CUDA_TRACE
 // Microseconds per step of `step` run `calls` times per measurement (median of repeats).
@@ -383,7 +383,8 @@ int main(int argc, char** argv) {
       Switches switches;
       if (!parse_switches(value, switches)) {
         std::fprintf(stderr, "--env wants NAME=VALUE[,NAME=VALUE...] with names among FSD_EXT_CUDA_SPLITS, "
-                             "FSD_EXT_CUDA_PDL, FSD_EXT_CUDA_CLUSTER, FSD_EXT_CUDA_STAGED; got %s\n", value);
+                             "FSD_EXT_CUDA_PDL, FSD_EXT_CUDA_CLUSTER, FSD_EXT_CUDA_STAGED, FSD_EXT_CUDA_REVERSE_DECIDE; "
+                             "got %s\n", value);
         return 1;
       }
       o.variants.push_back(switches);

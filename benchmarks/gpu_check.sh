@@ -210,7 +210,8 @@ fi
 if harness_ready; then
   rc=0
   { limited 60 "$HARNESS/accept_timing" --steps 10 --env FSD_EXT_CUDA_SPLITS=8 --env FSD_EXT_CUDA_SPLITS=32 \
-      --env FSD_EXT_CUDA_PDL=1 --env FSD_EXT_CUDA_CLUSTER=1 --env FSD_EXT_CUDA_STAGED=1 >"$WORK/accept_timing.md" &&
+      --env FSD_EXT_CUDA_PDL=1 --env FSD_EXT_CUDA_CLUSTER=1 --env FSD_EXT_CUDA_STAGED=1 \
+      --env FSD_EXT_CUDA_REVERSE_DECIDE=1 >"$WORK/accept_timing.md" &&
     limited 60 "$HARNESS/accept_trace" --env FSD_EXT_CUDA_PDL=1 --env FSD_EXT_CUDA_CLUSTER=1 \
       >"$WORK/accept_trace.md"; } 2>"$WORK/accept_harness.log" || rc=$?
   head -n 20 "$WORK/accept_timing.md"

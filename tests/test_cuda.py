@@ -776,6 +776,37 @@ def test_pdl_graph_capture_and_replay(fops, pdl):
 
 
 # ----------------------------------------------------------------------------------------------
+# FSD_EXT_CUDA_REVERSE_DECIDE=1: the split path's second kernel takes its (row, position, chunk)
+# items in reverse order (for L2 hits on its re-reads). It changes which block does which item,
+# never what an item computes: the same tokens as the reference, in and out of a CUDA graph.
+
+@pytest.fixture
+def reverse_decide(monkeypatch):
+    monkeypatch.setenv("FSD_EXT_CUDA_STAGED", "0")
+    monkeypatch.setenv("FSD_EXT_CUDA_REVERSE_DECIDE", "1")
+    return monkeypatch
+
+
+def test_reverse_decide_only_on_the_split_path(fops, reverse_decide, capfd):
+    target, draft, tokens, _ = make_case(2, 5, 151936, dtype=torch.bfloat16, seed=6)
+    target, draft, tokens = target.cuda(), draft.cuda(), tokens.cuda()
+    assert "path=split" in (line := launch_log(fops, capfd, target, draft, tokens, seed=1)) and "reverse=1" in line
+    small = make_case(4, 3, 1000, seed=2)  # one chunk per position: one fused launch
+    assert "reverse=0" in launch_log(fops, capfd, small[0].cuda(), small[1].cuda(), small[2].cuda(), seed=1)
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reverse_decide_matches_reference(fops, reverse_decide, rule, dtype):
+    test_split_vocab_path_matches_reference(fops, rule, dtype)
+
+
+def test_reverse_decide_big_vocab_and_graph_replay(fops, reverse_decide):
+    test_accept_big_vocab_split_path(fops, 151936)
+    check_graph_replay(fops, batch=3, vocab=50001)
+
+
+# ----------------------------------------------------------------------------------------------
 # The decoding loop on CUDA: captured graphs give the same tokens as eager forwards.
 
 def tiny_cuda_llama(seed, layers):

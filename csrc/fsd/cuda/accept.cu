@@ -58,6 +58,11 @@ bool dependent_launch_requested(DType dtype) {
   return with_logits_type(dtype, false, [](auto t) { return decide_kernel_waits<decltype(t)>(); });
 }
 
+// FSD_EXT_CUDA_REVERSE_DECIDE=1 (read on every call): the split path's second kernel takes the
+// (row, position, chunk) items in reverse order (accept.cuh, accept_decide_kernel says why).
+// Opt-in until a GPU run has measured it.
+bool reverse_decide_requested() { return switch_on("FSD_EXT_CUDA_REVERSE_DECIDE"); }
+
 template <bool kStaged>
 bool cluster_fits_dtype(DType dtype, int64_t cluster, size_t bytes) {
   return with_logits_type(dtype, false, [&](auto t) { return cluster_fits<decltype(t), kStaged>(cluster, bytes); });
@@ -136,6 +141,7 @@ AcceptPlan plan_accept(const AcceptProblem& pb) {
     plan.chunk = ((pb.target_vocab + plan.splits - 1) / plan.splits + granule - 1) / granule * granule;
     plan.splits = (pb.target_vocab + plan.chunk - 1) / plan.chunk;
     plan.dependent_launch = plan.splits > 1 && dependent_launch_requested(pb.dtype);
+    plan.reverse_decide = plan.splits > 1 && reverse_decide_requested();
   }
   const size_t rows = (size_t)pb.batch, pos = (size_t)positions, splits = (size_t)plan.splits;
   plan.stats = 0;
@@ -162,8 +168,9 @@ cudaError_t launch_accept(const AcceptProblem& problem, void* workspace, size_t 
                        : plan.splits > 1 ? "split"
                        : plan.filtered   ? "fused-filtered"
                                          : "fused";
-    std::fprintf(stderr, "fsd_ext.accept cuda: path=%s splits=%lld chunk=%lld stage_bytes=%zu pdl=%d\n", path,
-                 (long long)plan.splits, (long long)plan.chunk, plan.stage_bytes, (int)plan.dependent_launch);
+    std::fprintf(stderr, "fsd_ext.accept cuda: path=%s splits=%lld chunk=%lld stage_bytes=%zu pdl=%d reverse=%d\n",
+                 path, (long long)plan.splits, (long long)plan.chunk, plan.stage_bytes, (int)plan.dependent_launch,
+                 (int)plan.reverse_decide);
   }
   char* base = static_cast<char*>(workspace);
   return with_logits_type(problem.dtype, cudaErrorInvalidValue, [&](auto t) {

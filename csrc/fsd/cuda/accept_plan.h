@@ -27,6 +27,7 @@ struct AcceptPlan {
   bool clustered = false;  // cluster kernel, unstaged
   size_t stage_bytes = 0;  // dynamic shared memory per block of the staged kernel
   bool dependent_launch = false;  // split path: kernel 2 by programmatic dependent launch
+  bool reverse_decide = false;    // split path: kernel 2 takes the work in reverse order
   int64_t splits = 1, chunk = 0;
   size_t stats = 0, filters = 0, positions = 0, pass_two = 0, counters = 0, total = 0;
 };

@@ -102,6 +102,7 @@ cudaError_t launch_accept_typed(const AcceptProblem& pb, const AcceptPlan& plan,
   ws.counters = reinterpret_cast<uint32_t*>(base + plan.counters);
   ws.splits = plan.splits;
   ws.chunk = plan.chunk;
+  ws.reverse_decide = plan.reverse_decide;
   const int64_t blocks = pb.batch * (pb.max_draft + 1) * plan.splits;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   const unsigned grid = (unsigned)blocks;

@@ -67,6 +67,7 @@ void vary_launch(Rng& rng, int n) {
   CHECK(cudaSetDevice((int)rng.integer(0, sim::kDeviceCount - 1)) == cudaSuccess, "cudaSetDevice");
   set_env("FSD_EXT_CUDA_SPLITS", rng.uniform() < 0.3 ? std::to_string(rng.integer(2, 8)) : "");
   set_env("FSD_EXT_CUDA_PDL", rng.uniform() < 0.3 ? "1" : "");
+  set_env("FSD_EXT_CUDA_REVERSE_DECIDE", rng.uniform() < 0.3 ? "1" : "");
   const double path = rng.uniform();
   set_env("FSD_EXT_CUDA_STAGED", path < 0.2 ? "1" : "");
   set_env("FSD_EXT_CUDA_CLUSTER", path >= 0.2 && path < 0.4 ? "1" : "");
@@ -76,7 +77,8 @@ void vary_launch(Rng& rng, int n) {
 // The launcher switches at their defaults on simulated device `device`.
 void default_launch(int device) {
   CHECK(cudaSetDevice(device) == cudaSuccess, "cudaSetDevice");
-  for (const char* name : {"FSD_EXT_CUDA_SPLITS", "FSD_EXT_CUDA_PDL", "FSD_EXT_CUDA_STAGED", "FSD_EXT_CUDA_CLUSTER"})
+  for (const char* name : {"FSD_EXT_CUDA_SPLITS", "FSD_EXT_CUDA_PDL", "FSD_EXT_CUDA_STAGED", "FSD_EXT_CUDA_CLUSTER",
+                           "FSD_EXT_CUDA_REVERSE_DECIDE"})
     set_env(name, "");
 }
 
@@ -221,6 +223,7 @@ const LaunchPath kLaunchPaths[] = {
     {"fused", 2, nullptr, 1, 0, 0},                 // 32 blocks fill one SM: whole rows, one launch
     {"split", 0, nullptr, 2, 0, 0},                 // 32 blocks on 132 SMs: vocabulary chunks, two launches
     {"split + PDL", 0, "FSD_EXT_CUDA_PDL", 2, 0, 1},
+    {"split, decide reversed", 0, "FSD_EXT_CUDA_REVERSE_DECIDE", 2, 0, 0},
     {"staged clusters", 0, "FSD_EXT_CUDA_STAGED", 1, 1, 0},  // 16-block clusters
     {"staged, one block", 2, "FSD_EXT_CUDA_STAGED", 1, 1, 0},  // clusters of one
     {"unstaged clusters", 0, "FSD_EXT_CUDA_CLUSTER", 1, 1, 0},
