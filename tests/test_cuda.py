@@ -743,20 +743,25 @@ def test_cluster_graph_capture_and_replay(fops, clustered):
 # launched while the first still runs and waits for it on the GPU. It changes when blocks start,
 # never what they compute: the same tokens as the reference, in and out of a CUDA graph.
 
+def split_and_fused_launch_logs(fops, capfd):
+    """The launcher's log lines of a call that takes the split path (B=2, K=5, V=151936) and of one
+    with a single chunk per position (one fused launch), for the split path's switches."""
+    def log(case):
+        target, draft, tokens, _ = case
+        return launch_log(fops, capfd, target.cuda(), draft.cuda(), tokens.cuda(), seed=1)
+    return log(make_case(2, 5, 151936, dtype=torch.bfloat16, seed=6)), log(make_case(4, 3, 1000, seed=2))
+
+
 @pytest.fixture
 def pdl(monkeypatch):
     return sm90_switch(monkeypatch, "FSD_EXT_CUDA_PDL", "programmatic dependent launch")
 
 
 def test_pdl_only_on_the_split_path(fops, pdl, capfd):
-    target, draft, tokens, _ = make_case(2, 5, 151936, dtype=torch.bfloat16, seed=6)
-    target, draft, tokens = target.cuda(), draft.cuda(), tokens.cuda()
-    assert "path=split" in (line := launch_log(fops, capfd, target, draft, tokens, seed=1)) and "pdl=1" in line
+    split, fused = split_and_fused_launch_logs(fops, capfd)
+    assert "path=split" in split and "pdl=1" in split and "pdl=0" in fused
     pdl.setenv("FSD_EXT_CUDA_PDL", "0")
-    assert "pdl=0" in launch_log(fops, capfd, target, draft, tokens, seed=1)
-    pdl.setenv("FSD_EXT_CUDA_PDL", "1")
-    small = make_case(4, 3, 1000, seed=2)  # one chunk per position: one fused launch
-    assert "pdl=0" in launch_log(fops, capfd, small[0].cuda(), small[1].cuda(), small[2].cuda(), seed=1)
+    assert "pdl=0" in split_and_fused_launch_logs(fops, capfd)[0]
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -788,11 +793,8 @@ def reverse_decide(monkeypatch):
 
 
 def test_reverse_decide_only_on_the_split_path(fops, reverse_decide, capfd):
-    target, draft, tokens, _ = make_case(2, 5, 151936, dtype=torch.bfloat16, seed=6)
-    target, draft, tokens = target.cuda(), draft.cuda(), tokens.cuda()
-    assert "path=split" in (line := launch_log(fops, capfd, target, draft, tokens, seed=1)) and "reverse=1" in line
-    small = make_case(4, 3, 1000, seed=2)  # one chunk per position: one fused launch
-    assert "reverse=0" in launch_log(fops, capfd, small[0].cuda(), small[1].cuda(), small[2].cuda(), seed=1)
+    split, fused = split_and_fused_launch_logs(fops, capfd)
+    assert "path=split" in split and "reverse=1" in split and "reverse=0" in fused
 
 
 @pytest.mark.parametrize("rule", RULES)
