@@ -153,22 +153,25 @@ def store_linear_weights_bfloat16(model: torch.nn.Module) -> int:
 
 class QuantWeightLinear(torch.nn.Module):
     """A linear layer whose weight is stored as small integer codes with a float scale (and
-    offset) per group of 32 (format "q4", 4-bit codes) or 16 (format "q8", 8-bit codes) input
-    features, in the layout of csrc/fsd/cpu/quant_gemm.h: a GGUF checkpoint's own quantised
-    weights, repacked by fsd_ext.gguf_weights.load_gguf_linear_weights, which makes these modules.
-    Every weight is exactly the float32 value the checkpoint's dequantisation gives; decoding reads
-    0.75 (q4) or 1.25 (q8) bytes per weight instead of bfloat16's 2 or float32's 4.
+    offset) per group of 32 (format "q4", 4-bit codes; "q8g32", 8-bit codes) or 16 ("q8", 8-bit
+    codes) input features, in the layout of csrc/fsd/cpu/quant_gemm.h: a GGUF checkpoint's own
+    quantised weights, repacked by fsd_ext.gguf_weights.load_gguf_linear_weights, which makes these
+    modules. Every weight is exactly the float32 value the checkpoint's dequantisation gives;
+    decoding reads 0.75 (q4), 1.125 (q8g32) or 1.25 (q8) bytes per weight instead of bfloat16's 2
+    or float32's 4.
 
-    codes: uint8 [ceil(out / 4), in / group, 64]; params: float32 [ceil(out / 4), in / group, 8 (q4)
-    or 4 (q8)]; bias: float32 [out] or None. Input and output are float32 (another floating dtype
-    is computed in float32 and cast back). Few-row CPU inputs (decoding: 1..MAX_ROWS rows) go to
-    the fsd_ext kernel; more rows (a prompt) in bfloat16 on CPUs where that is much faster
-    (prompt_matmul_dtype) to the kernel's AMX tiles where quant_linear_amx() (quant_linear_prompt:
-    W and x rounded to bfloat16, float32 sums, y not rounded; 1.2-2.0x the mm path below on the
-    Intel Xeon's large shapes, 1.0-1.6x on a 256-row W: benchmarks/bench_prompt_linear.py), else to torch.mm on cache-sized blocks of
-    dequantised rows (float32, or bfloat16 with y rounded to bfloat16; set `prompt_dtype` to
-    torch.float32, or use set_prompt_dtype(model, torch.float32), for float32 there too); other
-    devices, autograd, or a build without the extension dequantise with torch ops.
+    codes: uint8 [ceil(out / 4), in / group, 64 (q4, q8) or 128 (q8g32)]; params: float32
+    [ceil(out / 4), in / group, 8 (q4) or 4 (q8, q8g32)]; bias: float32 [out] or None. Input and
+    output are float32 (another floating dtype is computed in float32 and cast back). Few-row CPU
+    inputs (decoding: 1..MAX_ROWS rows) go to the fsd_ext kernel; more rows (a prompt) in bfloat16
+    on CPUs where that is much faster (prompt_matmul_dtype) to the kernel's AMX tiles where
+    quant_linear_amx() and the format is q4 or q8 (quant_linear_prompt: W and x rounded to
+    bfloat16, float32 sums, y not rounded; 1.2-2.0x the mm path below on the Intel Xeon's large
+    shapes, 1.0-1.6x on a 256-row W: benchmarks/bench_prompt_linear.py), else to torch.mm on
+    cache-sized blocks of dequantised rows (float32, or bfloat16 with y rounded to bfloat16; set
+    `prompt_dtype` to torch.float32, or use set_prompt_dtype(model, torch.float32), for float32
+    there too); other devices, autograd, or a build without the extension dequantise with torch
+    ops.
     """
 
     def __init__(self, codes: torch.Tensor, params: torch.Tensor, format: str, in_features: int,
@@ -177,9 +180,10 @@ class QuantWeightLinear(torch.nn.Module):
         if format not in _QUANT_GROUP:
             raise ValueError(f"format must be one of {sorted(_QUANT_GROUP)}, got {format!r}")
         group, blocks = _QUANT_GROUP[format], -(-out_features // 4)
-        params_per_group = 8 if format == "q4" else 4
-        if in_features % group or codes.shape != (blocks, in_features // group, 64) or codes.dtype != torch.uint8:
-            raise ValueError(f"codes must be uint8 [{blocks}, {in_features // group}, 64] for a {format} "
+        params_per_group, code_bytes = (8 if format == "q4" else 4), 4 * group if format == "q8g32" else 64
+        shape = (blocks, in_features // group, code_bytes)
+        if in_features % group or codes.shape != shape or codes.dtype != torch.uint8:
+            raise ValueError(f"codes must be uint8 [{blocks}, {in_features // group}, {code_bytes}] for a {format} "
                              f"[{out_features}, {in_features}] weight, got {codes.dtype} {tuple(codes.shape)}")
         if params.shape != (blocks, in_features // group, params_per_group) or params.dtype != torch.float32:
             raise ValueError(f"params must be float32 [{blocks}, {in_features // group}, {params_per_group}], "
@@ -208,7 +212,8 @@ class QuantWeightLinear(torch.nn.Module):
                                                   self.out_features, self.bias)
         if native is not None and on_cpu and not needs_grad:
             bfloat16_product = self.prompt_matmul_dtype() == torch.bfloat16
-            if bfloat16_product and quant_linear_amx():  # the same rounding, on tiles, one launch
+            tiles = quant_linear_amx() and self.format != "q8g32"  # (the tiles decode q4 and q8)
+            if bfloat16_product and tiles:  # the same rounding, on tiles, one launch
                 return torch.ops.fsd_ext.quant_linear_prompt(x, self.codes, self.params,
                                                              _QUANT_FORMAT_ID[self.format], self.out_features,
                                                              self.bias)
@@ -247,16 +252,16 @@ class QuantWeightLinear(torch.nn.Module):
         return dequantize_torch(self.codes, self.params, self.format, self.out_features)
 
 
-_QUANT_GROUP = {"q4": 32, "q8": 16}
-_QUANT_FORMAT_ID = {"q4": 0, "q8": 1}
+_QUANT_GROUP = {"q4": 32, "q8": 16, "q8g32": 32}
+_QUANT_FORMAT_ID = {"q4": 0, "q8": 1, "q8g32": 2}
 
 
 def dequantize_torch(codes: torch.Tensor, params: torch.Tensor, format: str, out_features: int) -> torch.Tensor:
     """QuantWeightLinear's float32 weight [out, in] from codes and params in torch ops (any device;
     the kernel's fma rounds once where these round the product and the sum apart, which differs
     only where code x scale is not exact: never for GGUF's scales)."""
-    blocks, groups, _ = codes.shape
-    by_row = codes.reshape(blocks, groups, 4, 16)
+    blocks, groups, code_bytes = codes.shape
+    by_row = codes.reshape(blocks, groups, 4, code_bytes // 4)
     if format == "q4":
         values = torch.cat([by_row & 15, by_row >> 4], dim=-1).float()  # [blocks, groups, 4, 32]
         scale, offset = params[..., 0::2, None], params[..., 1::2, None]  # [blocks, groups, 4, 1]

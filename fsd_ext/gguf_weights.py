@@ -6,8 +6,8 @@ rounding from exact. Transformers dequantises them to float32 on load, so a mode
 file and decoded in float32 (or rounded to bfloat16) streams 4 (2) bytes per weight from memory for
 what the file holds in 4.5-8.5 bits. `load_gguf_linear_weights(model, path)` reads the file's codes
 again and swaps each nn.Linear whose weight they give for a QuantWeightLinear holding them repacked
-(csrc/fsd/cpu/quant_gemm.h): 0.75 bytes per weight for the 4-bit types, 1.25 for the 5-8-bit ones,
-and the very float32 weights the model had (checked to the bit against the module's weight before
+(csrc/fsd/cpu/quant_gemm.h): 0.75 bytes per weight for the 4-bit types, 1.125 for Q5_0 and Q8_0,
+1.25 for Q6_K, and the very float32 weights the model had (checked to the bit against the module's weight before
 the swap; a layer that differs, or whose type is not below, keeps its module).
 
     GGUF type   per block           weight                          repacked as
@@ -15,8 +15,8 @@ the swap; a layer that differs, or whose type is not below, keeps its module).
     Q4_1        32: d, m, 4-bit q   d q + m                         Q4
     Q4_K        256: d, dmin, 8 x   (d sc_j) q - (dmin m_j)         Q4 (32-weight groups)
                 (6-bit sc_j, m_j)
-    Q5_0        32: d, 5-bit q      d (q - 16)                      Q8 (code q - 16, two groups of 16)
-    Q8_0        32: d, int8 q       d q                             Q8 (two groups of 16)
+    Q5_0        32: d, 5-bit q      d (q - 16)                      Q8G32 (code q - 16)
+    Q8_0        32: d, int8 q       d q                             Q8G32
     Q6_K        256: d, 16 x int8   (d sc_j) (q - 32)               Q8 (16-weight groups)
                 sc_j, 6-bit q
 
@@ -41,18 +41,17 @@ from typing import Dict, Optional, Tuple
 import numpy as np
 import torch
 
-GROUP = {"q4": 32, "q8": 16}  # weights per scale in the repacked formats (quant_gemm.h)
-FORMAT_ID = {"q4": 0, "q8": 1}
+GROUP = {"q4": 32, "q8": 16, "q8g32": 32}  # weights per scale in the repacked formats (quant_gemm.h)
 
 
 @dataclass
 class Unpacked:
     """One weight matrix [out, in] as codes and per-group scales (and offsets, q4 only)."""
 
-    format: str                      # "q4" (codes 0..15) or "q8" (signed codes)
-    codes: np.ndarray                # [out, in] uint8 (q4) / int8 (q8)
+    format: str                      # "q4" (codes 0..15), "q8" / "q8g32" (signed codes)
+    codes: np.ndarray                # [out, in] uint8 (q4) / int8 (q8, q8g32)
     scales: np.ndarray               # [out, in // GROUP[format]] float32
-    offsets: Optional[np.ndarray]    # [out, in // 32] float32 (q4), None (q8)
+    offsets: Optional[np.ndarray]    # [out, in // 32] float32 (q4), None (q8, q8g32)
 
     def dequantize(self, rows: slice = slice(None)) -> np.ndarray:
         """The float32 weights of `rows`: code * scale (+ offset), with one rounding (exact product)."""
@@ -109,12 +108,12 @@ def _q5_0(blocks):
     high = np.ascontiguousarray(blocks[:, 2:6]).view("<u4")  # [n, 1]: bit j = the fifth bit of weight j
     bits = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
     codes = (_nibbles(blocks[:, 6:22]) | (bits << 4)).astype(np.int8) - np.int8(16)
-    return codes, np.repeat(_float16(blocks, 0), 2, axis=1), None
+    return codes, _float16(blocks, 0), None
 
 
 def _q8_0(blocks):
     codes = np.ascontiguousarray(blocks[:, 2:34]).view(np.int8)
-    return codes, np.repeat(_float16(blocks, 0), 2, axis=1), None
+    return codes, _float16(blocks, 0), None
 
 
 def _q6_k(blocks):
@@ -133,8 +132,8 @@ _TYPES = {
     "Q4_0": ("q4", 32, 18, _q4_0),
     "Q4_1": ("q4", 32, 20, _q4_1),
     "Q4_K": ("q4", 256, 144, _q4_k),
-    "Q5_0": ("q8", 32, 22, _q5_0),
-    "Q8_0": ("q8", 32, 34, _q8_0),
+    "Q5_0": ("q8g32", 32, 22, _q5_0),
+    "Q8_0": ("q8g32", 32, 34, _q8_0),
     "Q6_K": ("q8", 256, 210, _q6_k),
 }
 SUPPORTED_TYPES = tuple(_TYPES)
@@ -157,7 +156,7 @@ def unpack(raw: np.ndarray, type_name: str, in_features: int) -> Unpacked:
 
 
 def pack(unpacked: Unpacked) -> Tuple[torch.Tensor, torch.Tensor]:
-    """-> (codes uint8 [blocks, groups, 64], params float32 [blocks, groups, 8 or 4]) in
+    """-> (codes uint8 [blocks, groups, 64 or 128 (q8g32)], params float32 [blocks, groups, 8 or 4]) in
     quant_gemm.h's layout; rows padded with zeros to a multiple of 4."""
     out, in_features = unpacked.codes.shape
     group = GROUP[unpacked.format]
@@ -175,7 +174,7 @@ def pack(unpacked: Unpacked) -> Tuple[torch.Tensor, torch.Tensor]:
         row_bytes = codes.view(np.uint8)
         params = rows_padded(unpacked.scales)[..., None]
     # [blocks, 4 rows, groups, ...] -> [blocks, groups, 4 rows, ...]: a block's group is contiguous
-    row_bytes = row_bytes.reshape(blocks, 4, groups, 16).transpose(0, 2, 1, 3).reshape(blocks, groups, 64)
+    row_bytes = row_bytes.reshape(blocks, 4, groups, -1).transpose(0, 2, 1, 3).reshape(blocks, groups, -1)
     params = params.reshape(blocks, 4, groups, -1).transpose(0, 2, 1, 3).reshape(blocks, groups, -1)
     return (torch.from_numpy(np.ascontiguousarray(row_bytes, dtype=np.uint8)),
             torch.from_numpy(np.ascontiguousarray(params, dtype=np.float32)))
@@ -283,7 +282,7 @@ def _file_stamp(path: Path) -> Dict[str, str]:
     return {"version": CACHE_VERSION, "gguf_size": str(stat.st_size), "gguf_mtime_ns": str(stat.st_mtime_ns)}
 
 
-CACHE_VERSION = "fsd_ext.gguf_linears/1"
+CACHE_VERSION = "fsd_ext.gguf_linears/2"  # 2: Q5_0 and Q8_0 as q8g32 (were q8)
 
 
 def _from_cache(model, cache_path: Path, gguf_path: Path, report: Report) -> bool:

@@ -85,6 +85,15 @@ def quant_layer(type_name: str, out: int, in_features: int, bias: bool = False, 
     return layer, torch.from_numpy(gguf.quants.dequantize(raw, QT[type_name])), b
 
 
+@pytest.mark.parametrize("type_name,fmt,bytes_per_weight", [
+    ("Q4_0", "q4", 0.75), ("Q4_1", "q4", 0.75), ("Q4_K", "q4", 0.75), ("Q5_0", "q8g32", 1.125),
+    ("Q8_0", "q8g32", 1.125), ("Q6_K", "q8", 1.25)])
+def test_each_type_takes_its_smallest_format(type_name, fmt, bytes_per_weight):
+    layer, _, _ = quant_layer(type_name, 8, 256)
+    assert layer.format == fmt
+    assert (layer.codes.numel() + 4 * layer.params.numel()) / (8 * 256) == bytes_per_weight
+
+
 @pytest.mark.parametrize("type_name", gguf_weights.SUPPORTED_TYPES)
 @pytest.mark.parametrize("out", [1, 6, 67])
 def test_packed_weights_are_exact_on_every_path(monkeypatch, type_name, out):
@@ -115,7 +124,7 @@ def assert_float32_product(y, x, weight, bias=None):
     assert ((y.double() - exact).abs() <= 1e-5 * magnitude + 1e-6).all()
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q5_0", "Q6_K", "Q8_0"])
 @pytest.mark.parametrize("shape", [(1, 256), (6, 256), (2, 3, 256), (MAX_ROWS, 256), (MAX_ROWS + 1, 256),
                                    (1, 45, 256)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -200,7 +209,7 @@ def test_prompt_op_rounds_operands_not_sums(type_name, rows):
     same values by the loops (another summation order). y is not rounded, unlike a bfloat16 GEMM."""
     layer, weight, b = quant_layer(type_name, 70, 768, bias=True)  # 24 tiles of 32 columns: 3 passes
     x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
-    args = (layer.codes, layer.params, 0 if layer.format == "q4" else 1, 70, layer.bias)
+    args = (layer.codes, layer.params, cpu_linear._QUANT_FORMAT_ID[layer.format], 70, layer.bias)
     y = torch.ops.fsd_ext.quant_linear_prompt(x, *args)
     with cpu_linear.use_quant_amx(False):
         y_loops = torch.ops.fsd_ext.quant_linear_prompt(x, *args)
@@ -248,13 +257,17 @@ def test_constructor_checks_shapes():
         QuantWeightLinear(layer.codes, layer.params.double(), "q4", 256, 8)
     with pytest.raises(ValueError, match="format must be"):
         QuantWeightLinear(layer.codes, layer.params, "q5", 256, 8)
+    q8, _, _ = quant_layer("Q8_0", 8, 256)
+    with pytest.raises(ValueError, match=r"codes must be uint8 \[2, 8, 128\]"):
+        QuantWeightLinear(q8.codes[..., :64].contiguous(), q8.params, "q8g32", 256, 8)
 
 
 @needs_ext
 @pytest.mark.parametrize("call,match", [
     (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x, c.int(), p, 0, 8, None), "codes must be a contiguous uint8"),
     (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x, c, p[..., :4].contiguous(), 0, 8, None), "params must be"),
-    (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x, c, p, 2, 8, None), "format must be 0"),
+    (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x, c, p, 3, 8, None), "format must be 0"),
+    (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x, c, p, 2, 8, None), r"codes must be a contiguous uint8 \[blocks, groups, 128\]"),
     (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x, c, p, 0, 9, None), r"out_features must be in \(4, 8\]"),
     (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x[:, :32], c, p, 0, 8, None), r"x must be \[..., 256\]"),
     (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x.double(), c, p, 0, 8, None), "x must be float32"),

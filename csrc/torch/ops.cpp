@@ -151,18 +151,20 @@ Tensor skinny_linear_cpu(const Tensor& x, const Tensor& weight, const OptTensor&
 }
 
 // The repacked weight of a quant_linear / quant_dequantize call (fsd/cpu/quant_gemm.h's layout):
-// codes uint8 [blocks, groups, 64] and params float32 [blocks, groups, 8 (Q4) or 4 (Q8)], both
-// contiguous, for a matrix [out_features, groups x group size] with blocks = ceil(out_features / 4).
+// codes uint8 [blocks, groups, 64 (Q4, Q8) or 128 (Q8G32)] and params float32 [blocks, groups, 8
+// (Q4) or 4 (Q8, Q8G32)], both contiguous, for a matrix [out_features, groups x group size] with
+// blocks = ceil(out_features / 4).
 fsd::cpu::QuantWeights quant_weights(const char* op, const Tensor& codes, const Tensor& params, int64_t format,
                                      int64_t out_features) {
-  TORCH_CHECK(format == 0 || format == 1, op, ": format must be 0 (Q4) or 1 (Q8), got ", format);
+  TORCH_CHECK(format >= 0 && format <= 2, op, ": format must be 0 (Q4), 1 (Q8) or 2 (Q8G32), got ", format);
   const auto quant_format = static_cast<fsd::cpu::QuantFormat>(format);
   const int64_t param_count = fsd::cpu::quant_params_per_group(quant_format);
+  const int64_t code_bytes = fsd::cpu::quant_code_bytes(quant_format);
   TORCH_CHECK(codes.device().is_cpu() && params.device().is_cpu(), op, ": codes and params must be CPU tensors");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == fsd::cpu::kQuantCodeBytes &&
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == code_bytes &&
                   codes.is_contiguous(),
-              op, ": codes must be a contiguous uint8 [blocks, groups, 64], got ", codes.scalar_type(), " ",
-              codes.sizes());
+              op, ": codes must be a contiguous uint8 [blocks, groups, ", code_bytes, "], got ", codes.scalar_type(),
+              " ", codes.sizes());
   TORCH_CHECK(params.scalar_type() == at::kFloat && params.dim() == 3 && params.size(0) == codes.size(0) &&
                   params.size(1) == codes.size(1) && params.size(2) == param_count && params.is_contiguous(),
               op, ": params must be a contiguous float32 [", codes.size(0), ", ", codes.size(1), ", ", param_count,

@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <type_traits>
 
 #include "fsd/cpu/quant_amx.h"
 #include "fsd/cpu/skinny_gemm.h"  // avx2_available, bf16_dot_available: the CPU checks of both kernels
@@ -48,7 +49,8 @@ FSD_ALWAYS_INLINE void store_sums(const QuantGemm& g, const BlockSpan& s, int64_
   }
 }
 
-// The weights of row b of a block over one group: `row_codes` is that row's 16 bytes of the group.
+// The weights of row b of a block over one group: `row_codes` is that row's quant_row_code_bytes
+// bytes of the group.
 template <QuantFormat F>
 FSD_ALWAYS_INLINE void decode_group(const uint8_t* row_codes, const float* group_params, int b, float* weights) {
   if constexpr (F == QuantFormat::Q4) {
@@ -59,7 +61,7 @@ FSD_ALWAYS_INLINE void decode_group(const uint8_t* row_codes, const float* group
     }
   } else {
     const float scale = group_params[b];
-    FSD_SIMD for (int j = 0; j < 16; ++j) weights[j] = (float)(int8_t)row_codes[j] * scale;
+    FSD_SIMD for (int j = 0; j < quant_group_size(F); ++j) weights[j] = (float)(int8_t)row_codes[j] * scale;
   }
 }
 
@@ -77,7 +79,7 @@ struct Portable {
     float weights[kGroup];
     for (int64_t k = s.c0 / kGroup; k < s.c1 / kGroup; ++k) {
       for (int b = 0; b < kQuantBlockRows; ++b) {
-        decode_group<F>(codes + k * kQuantCodeBytes + 16 * b, params + k * kParams, b, weights);
+        decode_group<F>(codes + k * quant_code_bytes(F) + quant_row_code_bytes(F) * b, params + k * kParams, b, weights);
         for (int r = 0; r < R; ++r) {
           const float* x = g.x + (s.row0 + r) * g.x_stride + k * kGroup;
           FSD_SIMD for (int64_t j = 0; j < kGroup; ++j) acc[b][r][j] += weights[j] * x[j];
@@ -129,17 +131,20 @@ struct Avx512 {
       FSD_UNROLL
       for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
     const __m512 code_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    constexpr int64_t kCodeBytes = quant_code_bytes(F), kRowBytes = quant_row_code_bytes(F);
     for (int64_t k = s.c0 / kGroup; k < s.c1 / kGroup; ++k) {
-      const uint8_t* c = codes + k * kQuantCodeBytes;
+      const uint8_t* c = codes + k * kCodeBytes;
       const float* p = params + k * kParams;
       const int64_t col = k * kGroup;
-      if (s.prefetch_next) {  // the next block's same group: one line of codes, half or a quarter of params
-        _mm_prefetch((const char*)(c + groups * kQuantCodeBytes), _MM_HINT_T0);
+      if (s.prefetch_next) {  // the next block's same group: its line(s) of codes, part of a line of params
+        FSD_UNROLL
+        for (int64_t line = 0; line < kCodeBytes; line += 64)
+          _mm_prefetch((const char*)(c + groups * kCodeBytes + line), _MM_HINT_T0);
         _mm_prefetch((const char*)(p + groups * kParams), _MM_HINT_T0);
       }
       FSD_UNROLL
       for (int b = 0; b < kQuantBlockRows; ++b) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * b));
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + kRowBytes * b));
         if constexpr (F == QuantFormat::Q4) {
           const __m512i v = widen_unsigned(bytes);
           const __m512 table = _mm512_fmadd_ps(code_values, _mm512_set1_ps(p[2 * b]), _mm512_set1_ps(p[2 * b + 1]));
@@ -149,10 +154,15 @@ struct Avx512 {
           const __m512 high = lookup(high_nibbles(v), table);  // columns 16..31
           FSD_UNROLL
           for (int r = 0; r < R; ++r) acc[b][r] = _mm512_fmadd_ps(high, _mm512_loadu_ps(x_row[r] + col + 16), acc[b][r]);
-        } else {
-          const __m512 w = _mm512_mul_ps(to_float(widen_signed(bytes)), _mm512_set1_ps(p[b]));
+        } else {  // Q8, Q8G32: 16 codes at a time
+          const __m512 scale = _mm512_set1_ps(p[b]);
           FSD_UNROLL
-          for (int r = 0; r < R; ++r) acc[b][r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x_row[r] + col), acc[b][r]);
+          for (int64_t j = 0; j < kGroup; j += 16) {
+            const __m128i sixteen = j == 0 ? bytes : _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + kRowBytes * b + j));
+            const __m512 w = _mm512_mul_ps(to_float(widen_signed(sixteen)), scale);
+            FSD_UNROLL
+            for (int r = 0; r < R; ++r) acc[b][r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x_row[r] + col + j), acc[b][r]);
+          }
         }
       }
     }
@@ -179,7 +189,7 @@ void dequantize_rows_avx512(const QuantWeights& w, int64_t row_begin, int64_t ro
   const __m512 code_values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t o = row_begin; o < row_end; ++o) {
     const int b = (int)(o % kQuantBlockRows);
-    const uint8_t* codes = quant_block_codes(w, o / kQuantBlockRows) + 16 * b;
+    const uint8_t* codes = quant_block_codes(w, o / kQuantBlockRows) + quant_row_code_bytes(F) * b;
     const float* params = quant_block_params(w, o / kQuantBlockRows);
     const int64_t row = (o - row_begin) * w.in;
     auto store = [&](int64_t col, __m512 values) FSD_INLINE_LAMBDA {
@@ -190,7 +200,7 @@ void dequantize_rows_avx512(const QuantWeights& w, int64_t row_begin, int64_t ro
       }
     };
     for (int64_t k = 0; k < w.in / kGroup; ++k) {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * kQuantCodeBytes));
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * quant_code_bytes(F)));
       const float* p = params + k * kParams;
       if constexpr (F == QuantFormat::Q4) {
         const __m512i v = widen_unsigned(bytes);
@@ -199,6 +209,10 @@ void dequantize_rows_avx512(const QuantWeights& w, int64_t row_begin, int64_t ro
         store(k * kGroup + 16, lookup(high_nibbles(v), table));
       } else {
         store(k * kGroup, _mm512_mul_ps(to_float(widen_signed(bytes)), _mm512_set1_ps(p[b])));
+        if constexpr (kGroup == 32) {
+          const __m128i upper = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + k * quant_code_bytes(F) + 16));
+          store(k * kGroup + 16, _mm512_mul_ps(to_float(widen_signed(upper)), _mm512_set1_ps(p[b])));
+        }
       }
     }
   }
@@ -235,17 +249,20 @@ struct Avx2 {
       FSD_UNROLL
       for (int r = 0; r < R; ++r) acc[b][r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x_row[r] + col), acc[b][r]);
     };
+    constexpr int64_t kCodeBytes = quant_code_bytes(F);
     for (int64_t k = s.c0 / kGroup; k < s.c1 / kGroup; ++k) {
-      const uint8_t* c = codes + k * kQuantCodeBytes;
+      const uint8_t* c = codes + k * kCodeBytes;
       const float* p = params + k * kParams;
       const int64_t col = k * kGroup;
       if (s.prefetch_next) {
-        _mm_prefetch((const char*)(c + groups * kQuantCodeBytes), _MM_HINT_T0);
+        FSD_UNROLL
+        for (int64_t line = 0; line < kCodeBytes; line += 64)
+          _mm_prefetch((const char*)(c + groups * kCodeBytes + line), _MM_HINT_T0);
         _mm_prefetch((const char*)(p + groups * kParams), _MM_HINT_T0);
       }
       FSD_UNROLL
       for (int b = 0; b < kQuantBlockRows; ++b) {
-        const uint8_t* row_codes = c + 16 * b;
+        const uint8_t* row_codes = c + quant_row_code_bytes(F) * b;
         if constexpr (F == QuantFormat::Q4) {
           const __m256 scale = _mm256_set1_ps(p[2 * b]), offset = _mm256_set1_ps(p[2 * b + 1]);
           const __m256i nibble = _mm256_set1_epi32(15);
@@ -259,9 +276,9 @@ struct Avx2 {
         } else {
           const __m256 scale = _mm256_set1_ps(p[b]);
           FSD_UNROLL
-          for (int half = 0; half < 2; ++half) {
-            const __m256i v = _mm256_cvtepi8_epi32(eight_codes(row_codes + 8 * half));
-            add_products(b, _mm256_mul_ps(_mm256_cvtepi32_ps(v), scale), col + 8 * half);
+          for (int eighth = 0; eighth < kGroup / 8; ++eighth) {
+            const __m256i v = _mm256_cvtepi8_epi32(eight_codes(row_codes + 8 * eighth));
+            add_products(b, _mm256_mul_ps(_mm256_cvtepi32_ps(v), scale), col + 8 * eighth);
           }
         }
       }
@@ -310,9 +327,20 @@ void run_task(const QuantGemm& g, int64_t block_begin, int64_t block_end) {
 
 using TaskFn = void (*)(const QuantGemm&, int64_t, int64_t);
 
+// f(std::integral_constant<QuantFormat, F>{}) for the F of `format`.
+template <class Fn>
+auto with_format(QuantFormat format, Fn&& f) {
+  switch (format) {
+    case QuantFormat::Q4: return f(std::integral_constant<QuantFormat, QuantFormat::Q4>{});
+    case QuantFormat::Q8G32: return f(std::integral_constant<QuantFormat, QuantFormat::Q8G32>{});
+    case QuantFormat::Q8: break;
+  }
+  return f(std::integral_constant<QuantFormat, QuantFormat::Q8>{});
+}
+
 template <class Path>
 TaskFn task_for(QuantFormat format) {
-  return format == QuantFormat::Q4 ? run_task<Path, QuantFormat::Q4> : run_task<Path, QuantFormat::Q8>;
+  return with_format(format, [](auto f) -> TaskFn { return run_task<Path, decltype(f)::value>; });
 }
 
 TaskFn select_task(const QuantGemm& g) {
@@ -339,12 +367,12 @@ void dequantize_rows_portable(const QuantWeights& w, int64_t row_begin, int64_t 
   float weights[kGroup];
   for (int64_t o = row_begin; o < row_end; ++o) {
     const int b = (int)(o % kQuantBlockRows);
-    const uint8_t* codes = quant_block_codes(w, o / kQuantBlockRows) + 16 * b;
+    const uint8_t* codes = quant_block_codes(w, o / kQuantBlockRows) + quant_row_code_bytes(F) * b;
     const float* params = quant_block_params(w, o / kQuantBlockRows);
     const int64_t row = (o - row_begin) * w.in;
     for (int64_t k = 0; k < w.in / kGroup; ++k) {
       float* dst = out ? out + row + k * kGroup : weights;
-      decode_group<F>(codes + k * kQuantCodeBytes, params + k * kParams, b, dst);
+      decode_group<F>(codes + k * quant_code_bytes(F), params + k * kParams, b, dst);
       if (!out) {
         for (int64_t j = 0; j < kGroup; ++j) out_bf16[row + k * kGroup + j] = round_to_bfloat16(weights[j]);
       }
@@ -365,7 +393,9 @@ void dequantize_rows(const QuantWeights& w, int64_t row_begin, int64_t row_end, 
 
 std::atomic<bool> amx_enabled{true};
 
+// (The tiles decode Q4 and Q8 only.)
 bool takes_tiles(const QuantGemm& g) {
+  if (g.w.format == QuantFormat::Q8G32) return false;
   if (g.path == QuantPath::Amx) return quant_amx_hardware();
   return g.path == QuantPath::Best && g.rows >= kQuantAmxMinRows && g.w.out >= kQuantAmxMinOut &&
          quant_amx_available();
@@ -425,10 +455,10 @@ void prompt_gemm_portable(const QuantGemm& g, const ParallelFor& parallel_for) {
 }  // namespace
 
 void quant_prompt_gemm(const QuantGemm& g, const ParallelFor& parallel_for) {
-  const bool tiles = g.path == QuantPath::Amx ? quant_amx_hardware() : g.path == QuantPath::Best && quant_amx_available();
+  const bool tiles = g.w.format != QuantFormat::Q8G32 &&
+                     (g.path == QuantPath::Amx ? quant_amx_hardware() : g.path == QuantPath::Best && quant_amx_available());
   if (tiles) return quant_prompt_gemm_amx(g, parallel_for);
-  if (g.w.format == QuantFormat::Q4) return prompt_gemm_portable<QuantFormat::Q4>(g, parallel_for);
-  prompt_gemm_portable<QuantFormat::Q8>(g, parallel_for);
+  with_format(g.w.format, [&](auto format) { prompt_gemm_portable<decltype(format)::value>(g, parallel_for); });
 }
 
 void quant_dequantize(const QuantWeights& w, int64_t row_begin, int64_t row_end, float* out, uint16_t* out_bf16,
@@ -436,10 +466,9 @@ void quant_dequantize(const QuantWeights& w, int64_t row_begin, int64_t row_end,
   parallel_for(row_end - row_begin, 16, [&](int64_t begin, int64_t end) {
     float* rows_out = out ? out + begin * w.in : nullptr;
     uint16_t* rows_out_bf16 = out_bf16 ? out_bf16 + begin * w.in : nullptr;
-    if (w.format == QuantFormat::Q4)
-      dequantize_rows<QuantFormat::Q4>(w, row_begin + begin, row_begin + end, rows_out, rows_out_bf16);
-    else
-      dequantize_rows<QuantFormat::Q8>(w, row_begin + begin, row_begin + end, rows_out, rows_out_bf16);
+    with_format(w.format, [&](auto format) {
+      dequantize_rows<decltype(format)::value>(w, row_begin + begin, row_begin + end, rows_out, rows_out_bf16);
+    });
   });
 }
 

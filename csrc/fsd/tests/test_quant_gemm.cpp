@@ -31,7 +31,7 @@ struct Matrix {
 Matrix random_matrix(QuantFormat format, int64_t in, int64_t out, std::mt19937& gen) {
   const int64_t blocks = (out + 3) / 4, groups = in / fsd::cpu::quant_group_size(format);
   Matrix m{format, in, out, {}, {}};
-  m.codes.resize(blocks * groups * fsd::cpu::kQuantCodeBytes);
+  m.codes.resize(blocks * groups * fsd::cpu::quant_code_bytes(format));
   m.params.resize(blocks * groups * fsd::cpu::quant_params_per_group(format));
   std::uniform_int_distribution<int> byte(0, 255);
   std::uniform_real_distribution<float> scale(0.001f, 0.05f), offset(-0.3f, 0.1f);
@@ -46,7 +46,7 @@ float weight_at(const Matrix& m, int64_t o, int64_t i) {
   const int64_t group = fsd::cpu::quant_group_size(m.format), groups = m.in / group;
   const int64_t block = o / 4, b = o % 4, k = i / group, j = i % group;
   const int64_t cell = block * groups + k;
-  const uint8_t* row_codes = m.codes.data() + cell * 64 + 16 * b;
+  const uint8_t* row_codes = m.codes.data() + cell * fsd::cpu::quant_code_bytes(m.format) + fsd::cpu::quant_row_code_bytes(m.format) * b;
   const float* p = m.params.data() + cell * fsd::cpu::quant_params_per_group(m.format);
   if (m.format == QuantFormat::Q4) {
     const int code = j < 16 ? (row_codes[j] & 15) : (row_codes[j - 16] >> 4);
@@ -55,6 +55,7 @@ float weight_at(const Matrix& m, int64_t o, int64_t i) {
   return (float)(int8_t)row_codes[j] * p[b];
 }
 
+constexpr QuantFormat kFormats[] = {QuantFormat::Q4, QuantFormat::Q8, QuantFormat::Q8G32};
 constexpr QuantPath kPaths[] = {QuantPath::Best, QuantPath::Amx, QuantPath::Avx512, QuantPath::Avx2,
                                 QuantPath::Portable};
 
@@ -93,7 +94,7 @@ void check_rows(const char* what, int format, int path, int64_t in, int64_t out,
   }
 }
 
-// Every path this CPU has, both formats; row counts 1..16 (one or several passes, column chunks
+// Every path this CPU has, every format; row counts 1..16 (one or several passes, column chunks
 // from 16 rows' 384 columns up to whole rows), out not a multiple of 4 (padding rows never stored)
 // and over one task of 64; padded strides, with and without bias; a task-splitting ParallelFor.
 void test_products_match_the_definition() {
@@ -102,7 +103,7 @@ void test_products_match_the_definition() {
               fsd::cpu::quant_avx512_available() ? "checked" : "not on this CPU",
               fsd::cpu::avx2_available() ? "checked" : "not on this CPU");
   std::mt19937 gen(5);
-  for (QuantFormat format : {QuantFormat::Q4, QuantFormat::Q8}) {
+  for (QuantFormat format : kFormats) {
     const int64_t group = fsd::cpu::quant_group_size(format);
     for (int64_t in : {group, 5 * group, int64_t(1280)}) {
       for (int64_t out : {1, 5, 44, 67, 130}) {
@@ -127,7 +128,7 @@ void test_products_match_the_definition() {
 // the BLAS, so a prompt sees the same weights as a decoding step), from any first row.
 void test_dequantize_is_exact() {
   std::mt19937 gen(6);
-  for (QuantFormat format : {QuantFormat::Q4, QuantFormat::Q8}) {
+  for (QuantFormat format : kFormats) {
     const int64_t in = 3 * fsd::cpu::quant_group_size(format), out = 11;
     const Matrix m = random_matrix(format, in, out, gen);
     for (int64_t begin : {0, 1, 4, 10}) {
@@ -156,13 +157,13 @@ void test_dequantize_is_exact() {
 
 // Hand-built codes where the answer is plain: a Q4 row of codes 0..15, 0..15 with scale 0.5 and
 // offset -1 against x = 1 sums 2 x (0.5 x 120 - 16) = 88; a Q8 row of codes -8..7 with scale 2
-// against x = 1 sums -16.
+// against x = 1 sums -16 (Q8G32: -8..7 twice, -32).
 void test_golden_values() {
-  for (QuantFormat format : {QuantFormat::Q4, QuantFormat::Q8}) {
+  for (QuantFormat format : kFormats) {
     const int64_t group = fsd::cpu::quant_group_size(format);
-    Matrix m{format, group, 1, std::vector<uint8_t>(64, 0), std::vector<float>(fsd::cpu::quant_params_per_group(format), 0.0f)};
-    for (int j = 0; j < 16; ++j)
-      m.codes[j] = format == QuantFormat::Q4 ? (uint8_t)(j | (j << 4)) : (uint8_t)(int8_t)(j - 8);
+    Matrix m{format, group, 1, std::vector<uint8_t>(fsd::cpu::quant_code_bytes(format), 0), std::vector<float>(fsd::cpu::quant_params_per_group(format), 0.0f)};
+    for (int j = 0; j < (format == QuantFormat::Q4 ? 16 : group); ++j)
+      m.codes[j] = format == QuantFormat::Q4 ? (uint8_t)(j | (j << 4)) : (uint8_t)(int8_t)(j % 16 - 8);
     if (format == QuantFormat::Q4) m.params[0] = 0.5f, m.params[1] = -1.0f;
     else m.params[0] = 2.0f;
     std::vector<float> x(group, 1.0f);
@@ -171,7 +172,7 @@ void test_golden_values() {
       fsd::cpu::QuantGemm g;
       g.w = m.view(), g.x = x.data(), g.x_stride = group, g.y = &y, g.y_stride = 1, g.rows = 1, g.path = path;
       fsd::cpu::quant_gemm(g);
-      EXPECT(y == (format == QuantFormat::Q4 ? 88.0f : -16.0f));
+      EXPECT(y == (format == QuantFormat::Q4 ? 88.0f : format == QuantFormat::Q8 ? -16.0f : -32.0f));
     }
   }
 }
@@ -182,11 +183,12 @@ void test_golden_values() {
 // would give exactly `group` instead. Rows 1 (the Amx path asked for) and 2..3 (Best).
 void test_last_bit_of_x_counts() {
   const float x_value = 1.0f + std::ldexp(1.0f, -23);
-  for (QuantFormat format : {QuantFormat::Q4, QuantFormat::Q8}) {
+  for (QuantFormat format : kFormats) {
     const int64_t group = fsd::cpu::quant_group_size(format);
-    Matrix m{format, group, 1, std::vector<uint8_t>(64, 0),
+    Matrix m{format, group, 1, std::vector<uint8_t>(fsd::cpu::quant_code_bytes(format), 0),
              std::vector<float>(fsd::cpu::quant_params_per_group(format), 0.0f)};
-    for (int j = 0; j < 16; ++j) m.codes[j] = format == QuantFormat::Q4 ? (uint8_t)0x11 : (uint8_t)1;
+    for (int j = 0; j < (format == QuantFormat::Q4 ? 16 : group); ++j)
+      m.codes[j] = format == QuantFormat::Q4 ? (uint8_t)0x11 : (uint8_t)1;
     m.params[0] = 1.0f;
     const float expected = (float)group * x_value;
     EXPECT(expected != (float)group);
@@ -218,7 +220,7 @@ double bfloat16_value(float value) {
 void test_prompt_products_match_the_definition() {
   std::printf("quant_prompt_gemm: AMX path %s\n", fsd::cpu::quant_amx_hardware() ? "checked" : "not on this CPU");
   std::mt19937 gen(7);
-  for (QuantFormat format : {QuantFormat::Q4, QuantFormat::Q8}) {
+  for (QuantFormat format : kFormats) {
     const int64_t group = fsd::cpu::quant_group_size(format);
     for (int64_t in : {group, 3 * group, 17 * group, int64_t(1280)}) {
       for (int64_t out : {1, 5, 44, 67, 130}) {
@@ -244,11 +246,12 @@ void test_prompt_products_match_the_definition() {
 // the second) against weights 1 sums to group (1 + 2^-7) on every path, not group x.
 void test_prompt_rounds_x_to_nearest() {
   const float x_value = 1.0f + std::ldexp(1.0f, -8) + std::ldexp(1.0f, -9);
-  for (QuantFormat format : {QuantFormat::Q4, QuantFormat::Q8}) {
+  for (QuantFormat format : kFormats) {
     const int64_t group = fsd::cpu::quant_group_size(format);
-    Matrix m{format, group, 1, std::vector<uint8_t>(64, 0),
+    Matrix m{format, group, 1, std::vector<uint8_t>(fsd::cpu::quant_code_bytes(format), 0),
              std::vector<float>(fsd::cpu::quant_params_per_group(format), 0.0f)};
-    for (int j = 0; j < 16; ++j) m.codes[j] = format == QuantFormat::Q4 ? (uint8_t)0x11 : (uint8_t)1;
+    for (int j = 0; j < (format == QuantFormat::Q4 ? 16 : group); ++j)
+      m.codes[j] = format == QuantFormat::Q4 ? (uint8_t)0x11 : (uint8_t)1;
     m.params[0] = 1.0f;
     for (QuantPath path : {QuantPath::Amx, QuantPath::Portable}) {
       std::vector<float> x(20 * group, x_value), y(20, 0.0f);
