@@ -200,6 +200,7 @@ Tally compare_accept(AcceptCase& c, int n, int64_t seed_shift) {
       // Where a coin settles the position (no returned divergences) either kernel may leave NaN.
       const bool may_skip = fsd::coin_acceptance_settles(p.rule, p.caller_reads_divergences());
       if (may_skip && (std::isnan(a) || std::isnan(g))) continue;
+      if (!divergences_agree(a, g) && std::getenv("FSD_SIM_VERBOSE")) print_row_inputs(c, b, cpu_out, gpu_out);
       CHECK(divergences_agree(a, g),
             "case %d row %ld pos %ld (V %ld/%ld, div %d, dtype %d, top_k %ld, tau %g, div tau %g, uses sampling %d, "
             "filter %ld/%g/%g): D cpu %.9g cuda %.9g",
@@ -336,6 +337,63 @@ void compare_divergence(Rng& rng, int n) {
   for (int64_t r = 0; r < rows; ++r)
     CHECK(divergences_agree(cpu[r], gpu[r]), "divergence case %d row %ld (V %ld, div %d, dtype %d, top_k %ld): cpu %.9g cuda %.9g",
           n, (long)r, (long)vt, (int)p.divergence, (int)dtype, (long)p.top_k, cpu[r], gpu[r]);
+}
+
+// Golden: div_top_k's top ids against a draft vocabulary smaller than the target's (DESIGN.md
+// section 2). Target logits 0 at id 0, -200 at id 20 (past V_d = 15, so q = 0 there by
+// construction), -1000 elsewhere; draft logits all 0. The top 3 under p are ids 0, 20 and 1, and
+// p(20) = e^-200 is below float's range but not 0, so KL is +inf (reference.py, in float64) on
+// both kernels, by fsd_ext.divergence and by accept (K 1, one row, greedy as in the fuzz case,
+// FSD_SIM_SEED=104 case 576, that found it); CUDA took its term in float, as 0, and gave 2.708. (MKL is +inf
+// here through its rest bucket, where p has no mass: a check of that path, not of this bug.)
+void check_top_k_past_draft_vocab() {
+  const int64_t vt = 36, vd = 15;
+  for (const DType dtype : {DType::Float32, DType::BFloat16})
+    for (const fsd::Divergence kind : {fsd::Divergence::KL, fsd::Divergence::MKL}) {
+      AcceptCase c;
+      for (Logits* l : {&c.target, &c.draft}) l->dtype = dtype;
+      c.target.vocab = c.target.row_stride = vt;
+      c.draft.vocab = c.draft.row_stride = vd;
+      c.target.rows = 2, c.draft.rows = 1;
+      c.target.values.assign(2 * vt, -1000.0f);
+      c.target.values[0] = c.target.values[vt] = 0.0f;
+      c.target.values[20] = -200.0f;
+      c.draft.values.assign(vd, 0.0f);
+      store_logits(c.target);
+      store_logits(c.draft);
+
+      fsd::DivergenceProblem d;
+      d.rows = 1, d.target_vocab = vt, d.draft_vocab = vd, d.dtype = dtype;
+      d.target_logits = c.target.data(), d.target_stride = vt;
+      d.draft_logits = c.draft.data(), d.draft_stride = vd;
+      d.divergence = kind;
+      d.top_k = 3;
+      float cpu = -7.0f, gpu = -7.0f;
+      d.out = &cpu;
+      fsd::cpu::divergence(d);
+      d.out = &gpu;
+      CHECK(fsd::cuda::launch_divergence(d, nullptr) == cudaSuccess, "golden top-k: launch failed");
+      CHECK(std::isinf(cpu) && cpu > 0 && std::isinf(gpu) && gpu > 0,
+            "golden top-k divergence (div %d, dtype %d): cpu %.9g cuda %.9g, want inf", (int)kind, (int)dtype, cpu, gpu);
+
+      c.num_draft.assign(1, 1);
+      c.tokens64.assign(1, 0);
+      bind_accept_problem(c, 1, 1, false, false);
+      fsd::AcceptProblem& p = c.problem;
+      p.rule = fsd::Rule::FSD;
+      p.divergence = kind;
+      p.div_top_k = 3;
+      p.threshold.scalar = 0.4f;
+      p.temperature.scalar = 0.0f;
+      p.div_temperature.scalar = 1.0f;
+      default_launch(0);
+      AcceptOutputs cpu_out, gpu_out;
+      const fsd::AcceptProblem q = run_on_cpu(c, cpu_out, gpu_out);
+      CHECK(launch_accept_on(q, 0xA5), "golden top-k: launch failed");
+      const float a = cpu_out.divergences[0], g = gpu_out.divergences[0];
+      CHECK(std::isinf(a) && a > 0 && std::isinf(g) && g > 0,
+            "golden top-k accept (div %d, dtype %d): D cpu %.9g cuda %.9g, want inf", (int)kind, (int)dtype, a, g);
+    }
 }
 
 Tally compare_sample(Rng& rng, int n) {
@@ -785,6 +843,7 @@ int main(int argc, char** argv) {
     if (n % 3 == 1) sample.add(compare_sample(rng, n));
   }
   compare_uniforms();
+  check_top_k_past_draft_vocab();
   Tally sample_separated, sample_control;
   compare_sample_paths(rng, sample_separated, sample_control);
   std::printf("sample, well-separated on both paths: %ld of %ld rows differ; negative control (CUDA seed + 1): %ld "
