@@ -105,3 +105,25 @@ def filter_rows(shape: str, rows: int, vocab: int, seed: int = 3) -> torch.Tenso
     x[:, ::3] = float("-inf")
     x[:, 1::7] = -1e9
     return x
+
+
+def below_float_range_cases(dtype=torch.float32):
+    """(name, target [2, 2, V], draft [2, 1, V_d], {div_top_k: kinds that are +inf}) where one side's probability
+    is 0 by construction and the other's is below float's range but > 0 in float64 (e^-200,
+    e^-300): KL / RKL / MKL are +inf in the reference, and a float kernel that flushes the small
+    side to 0 would give a finite value (CUDA's div_top_k and the CPU kernel gave KL 2.708 here).
+    Position 1 of the target is the bonus position, position 0 the divergence's. With div_top_k 3 the
+    first case's top ids are 0, 20 and 1 (RKL is +inf too: p's rest bucket is e^-1000 = 0 against q's
+    12/15); the second's id 5 falls in the rest bucket, where both sides have mass."""
+    past = torch.full((2, 2, 36), -1000.0)  # id 20 is past the draft vocabulary (15): q = 0 there
+    past[..., 0] = 0.0
+    past[..., 20] = -200.0
+    masked = torch.zeros(2, 2, 16)  # id 5: target logit -inf (p = 0), draft logit -300
+    masked[..., 5] = float("-inf")
+    masked_draft = torch.zeros(2, 1, 16)
+    masked_draft[..., 5] = -300.0
+    return [
+        ("past the draft vocabulary", past.to(dtype), torch.zeros(2, 1, 15, dtype=dtype),
+         {None: {"kl", "mkl"}, 3: {"kl", "rkl", "mkl"}}),
+        ("a -inf target logit", masked.to(dtype), masked_draft.to(dtype), {None: {"rkl", "mkl"}, 3: set()}),
+    ]

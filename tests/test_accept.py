@@ -7,8 +7,8 @@ import torch
 
 import fsd_ext
 from fsd_ext import reference
-from helpers import (FILTER_ROW_SHAPES, agreement_up_to_ties, assert_same_result, both, filter_rows,
-                     float_weight_draws, make_problem, rows_agree)
+from helpers import (FILTER_ROW_SHAPES, agreement_up_to_ties, assert_same_result, below_float_range_cases, both,
+                     filter_rows, float_weight_draws, make_problem, rows_agree)
 
 RULES = ["greedy", "sd", "fsd", "fsd_strict"]
 DIVERGENCES = ["kl", "rkl", "js", "tv", "mkl"]
@@ -131,6 +131,22 @@ def test_minus_inf_logits_inside_the_vocabulary(divergence, masked):
     torch.testing.assert_close(d, reference.divergence(target[:, 0], draft[:, 0], kind=divergence),
                                rtol=1e-5, atol=1e-6)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("div_top_k", [None, 3])
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_probabilities_below_float_range_against_zero(divergence, div_top_k, dtype):
+    """A probability 0 by construction against one below float's range but > 0 in float64 makes
+    KL / RKL / MKL +inf, as the reference has it, by fsd_ext.divergence and by accept."""
+    for name, target, draft, infinite in below_float_range_cases(dtype):
+        d = fsd_ext.divergence(target[:, 0], draft[:, 0], kind=divergence, top_k=div_top_k)
+        r = reference.divergence(target[:, 0], draft[:, 0], kind=divergence, top_k=div_top_k)
+        torch.testing.assert_close(d, r, rtol=1e-5, atol=1e-6, msg=name)
+        assert d.isinf().all() == (divergence in infinite[div_top_k]), (name, d)
+        kernel, ref = both(target, draft, torch.zeros(2, 1, dtype=torch.long), rule="fsd", divergence=divergence,
+                           threshold=0.4, div_top_k=div_top_k, temperature=0.0, seed=5, return_divergence=True)
+        assert_same_result(kernel, ref)
 
 def test_per_row_threshold_temperature_and_div_options():
     target, draft, tokens = make_problem(16, 4, 700, seed=12)

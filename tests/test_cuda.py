@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from fsd_ext import reference
-from helpers import FILTER_ROW_SHAPES, agreement_up_to_ties, filter_rows, float_weight_draws, rows_agree
+from helpers import (FILTER_ROW_SHAPES, agreement_up_to_ties, assert_same_result, below_float_range_cases, filter_rows,
+                     float_weight_draws, rows_agree)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -299,6 +300,24 @@ def test_divergence_op(fops):
             want = reference.divergence(target[:, 0], draft[:, 0], kind, 0.8, top_k)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_probabilities_below_float_range_against_zero(fops, dtype):
+    """helpers.below_float_range_cases on the GPU (the plain, general and div_top_k paths of pass 2):
+    +inf where the reference has it, by divergence and by accept (found by the CUDA simulation)."""
+    for name, target, draft, infinite in below_float_range_cases(dtype):
+        tokens = torch.zeros(2, 1, dtype=torch.long)
+        for kind in DIVERGENCES:
+            for top_k in (None, 3):
+                got = fops.divergence(target[:, 0].cuda(), draft[:, 0].cuda(), kind, 1.0, top_k).cpu()
+                want = reference.divergence(target[:, 0], draft[:, 0], kind, 1.0, top_k)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"{name} {kind} {top_k}")
+                assert got.isinf().all() == (kind in infinite[top_k]), (name, kind, top_k, got)
+                kw = dict(rule="fsd", divergence=kind, threshold=0.4, div_top_k=top_k, temperature=0.0, seed=5,
+                          return_divergence=True)
+                assert_same_result(run_accept(fops, "cuda", target, draft, tokens, **kw),
+                                   reference.accept(target, draft, tokens, **kw))
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("filters", [dict(), dict(top_k=5), dict(top_p=0.7), dict(min_p=0.1)])

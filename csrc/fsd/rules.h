@@ -8,26 +8,36 @@
 
 namespace fsd {
 
+// Below this log-probability (nats) a probability is 0 in float64 too: exp rounds to 0 under about
+// -745.13 (the smallest subnormal double is e^-744.44). Between it and about -87 a probability is 0
+// in float but not in float64, the precision of fsd_ext/reference.py.
+constexpr double kLogZeroInDouble = -745.13;
+
 // One vocabulary entry's contribution to D(p || q), from probabilities and their exact logs
 // (log-space, so an underflowed p still has a finite lp; lp = -inf exactly when p is 0 by
-// construction, e.g. a filtered token or a target id beyond the draft vocabulary).
-// 0 log 0 = 0; p > 0 where q == 0 gives +inf for kl (and likewise for rkl and mkl).
-// `log_fn` is the backend's log (a vectorisable one on the CPU, logf on CUDA).
+// construction, e.g. a filtered token, a -inf logit or a target id beyond the draft vocabulary).
+// 0 log 0 = 0. One side 0 by construction against the other > 0 in float64 gives +inf for kl
+// (p > 0 = q), rkl (q > 0 = p) and mkl (either way), also where that other side's p or q has
+// flushed to 0 in float: e^-200 past the draft vocabulary makes KL infinite, as in the reference.
+// `log_fn` is the backend's log (a vectorisable one on the CPU, logf on CUDA); `log_zero` is
+// kLogZeroInDouble in the unit of lp and lq (CUDA's plain path passes log2 ones).
 template <Divergence D, typename F, typename LogFn>
-FSD_INLINE F divergence_term(F p, F lp, F q, F lq, LogFn log_fn) {
-  const F half = F(0.5), zero = F(0);
-  if (D == Divergence::KL) return p > zero ? p * (lp - lq) : zero;
-  if (D == Divergence::RKL) return q > zero ? q * (lq - lp) : zero;
+FSD_INLINE F divergence_term(F p, F lp, F q, F lq, LogFn log_fn, F log_zero = F(kLogZeroInDouble)) {
+  const F half = F(0.5), zero = F(0), inf = F(INFINITY);
+  const bool p_only = lp > log_zero && lq == -inf, q_only = lq > log_zero && lp == -inf;
+  if (D == Divergence::KL) return p_only ? inf : p > zero ? p * (lp - lq) : zero;
+  if (D == Divergence::RKL) return q_only ? inf : q > zero ? q * (lq - lp) : zero;
   if (D == Divergence::TV) return half * (p > q ? p - q : q - p);
+  if (D == Divergence::MKL && (p_only || q_only)) return inf;
   const F m = half * (p + q);
-  // m can underflow to 0 while p or q is a subnormal > 0; such a term is below the smallest
-  // float anyway, and log(0) = -inf would turn it into +inf.
+  // m can underflow to 0 while p or q is a subnormal > 0; such a term (js, or mkl with both sides
+  // > 0) is below the smallest float anyway, and log(0) = -inf would turn it into +inf.
   if (!(m > zero)) return zero;
   const F lm = log_fn(m);
   if (D == Divergence::JS)
     return half * ((p > zero ? p * (lp - lm) : zero) + (q > zero ? q * (lq - lm) : zero));
   // MKL: 0.5 KL(m || p) + 0.5 KL(m || q)
-  return m > zero ? half * m * ((lm - lp) + (lm - lq)) : zero;
+  return half * m * ((lm - lp) + (lm - lq));
 }
 
 // The sum of the terms is the divergence up to rounding; rounding can push a true 0 slightly

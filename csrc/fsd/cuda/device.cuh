@@ -776,23 +776,6 @@ __device__ __forceinline__ void pass_two_plain(const T* __restrict__ target, con
   acc.div += div * plain_term_unit<D>(), acc.draw_mass += residual;
 }
 
-// A div_top_k bucket's term as the CPU's divergence_bucketed has it, in double: there a p or q
-// whose log-probability is under float's range (below about -87, so 0 here) is still > 0 down to
-// about -745.13, and against a side that is 0 by construction (log -inf: an id past the draft
-// vocabulary, or cut) KL, RKL and MKL have a term of +inf, where float's 0 makes it 0. Every other
-// term of such a p or q is below 1e-30 in magnitude, and float's 0 for it is as good. (The double
-// arithmetic itself, in pass 2's loop, made nvcc spill.)
-template <Divergence D>
-__device__ __forceinline__ float top_term(float p, float lp, float q, float lq, const DeviceLog& log_fn) {
-  constexpr float kLogSmallestDouble = -745.13f;  // exp(x) > 0 in double above this
-  const bool p_in_double = lp > kLogSmallestDouble, q_in_double = lq > kLogSmallestDouble;
-  const bool p_only = p_in_double && lq == -kInf, q_only = q_in_double && lp == -kInf;
-  if ((D == Divergence::KL && p_only) || (D == Divergence::RKL && q_only) ||
-      (D == Divergence::MKL && (p_only || q_only)))
-    return kInf;
-  return divergence_term<D, float>(p, lp, q, lq, log_fn);
-}
-
 // Accumulates pass 2 over [begin, end) of one position into a thread's PassTwo.
 //   p, q: sampling distributions (residual); pd, qd: the distributions the divergence compares.
 template <Divergence D, bool kShared = false, typename T>
@@ -831,7 +814,7 @@ __device__ __forceinline__ void pass_two(const T* __restrict__ target, const T* 
           const uint32_t key = float_key(lp > -kInf ? pd.scaled(zt) : -kInf);
           const bool in_top = key > top.key || (key == top.key && j + i <= top.tie_last);
           if (in_top) {
-            div += top_term<D>(pp, lp, qq, lq, log_fn);
+            div += divergence_term<D, float>(pp, lp, qq, lq, log_fn);
           } else {
             rest_p += pp;
             rest_q += qq;

@@ -33,6 +33,7 @@ namespace cuda {
 constexpr float kInf = __builtin_huge_valf();
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr double kLn2 = 0.69314718055994530942;
+constexpr float kLog2ZeroInDouble = (float)(kLogZeroInDouble / kLn2);  // rules.h, in log2 units
 
 FSD_INLINE float clamp_logit(float x) { return x == kInf ? FLT_MAX : x; }
 
@@ -261,6 +262,9 @@ FSD_INLINE float js_mkl_add(float lp, float lq, float& residual_term, Log2Fn log
   // (small d: 0 when small is 0, also where d is -inf; mkl: 0 when both flushed to 0, +inf where
   // exactly one probability is 0.)
   if (D == Divergence::JS) return both * (1.0f - L) + small * fmaxf(d, -FLT_MAX);
+  // Exactly one probability 0 and the other > 0 in float64 (divergence_term): +inf, also where
+  // the other flushed to 0 here.
+  if (d == -kInf && hi > kLog2ZeroInDouble) return kInf;
   return both > 0.0f ? both * (L - 1.0f - 0.5f * d) : 0.0f;
 }
 
@@ -284,7 +288,7 @@ FSD_INLINE void plain_add(const PlainPair& pl, float zt, float zd, float& div, f
     return;
   }
   const float pp = fast_exp2(lp), qq = fast_exp2(lq);
-  if (kDiv) div += divergence_term<D, float>(pp, lp, qq, lq, NoLog{});
+  if (kDiv) div += divergence_term<D, float>(pp, lp, qq, lq, NoLog{}, kLog2ZeroInDouble);
   if (kResidual) residual += pp > qq ? pp - qq : 0.0f;
 }
 

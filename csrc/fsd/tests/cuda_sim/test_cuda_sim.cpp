@@ -339,17 +339,19 @@ void compare_divergence(Rng& rng, int n) {
           n, (long)r, (long)vt, (int)p.divergence, (int)dtype, (long)p.top_k, cpu[r], gpu[r]);
 }
 
-// Golden: div_top_k's top ids against a draft vocabulary smaller than the target's (DESIGN.md
-// section 2). Target logits 0 at id 0, -200 at id 20 (past V_d = 15, so q = 0 there by
-// construction), -1000 elsewhere; draft logits all 0. The top 3 under p are ids 0, 20 and 1, and
-// p(20) = e^-200 is below float's range but not 0, so KL is +inf (reference.py, in float64) on
-// both kernels, by fsd_ext.divergence and by accept (K 1, one row, greedy as in the fuzz case,
-// FSD_SIM_SEED=104 case 576, that found it); CUDA took its term in float, as 0, and gave 2.708. (MKL is +inf
-// here through its rest bucket, where p has no mass: a check of that path, not of this bug.)
-void check_top_k_past_draft_vocab() {
+// Golden: a probability below float's range against a draft vocabulary smaller than the target's
+// (DESIGN.md section 2). Target logits 0 at id 0, -200 at id 20 (past V_d = 15, so q = 0 there by
+// construction), -1000 elsewhere; draft logits all 0. p(20) = e^-200 is below float's range but
+// not 0, so KL is +inf (reference.py, in float64), over the whole vocabulary and with div_top_k 3
+// (top ids 0, 20 and 1), by fsd_ext.divergence and by accept (K 1, one row, greedy as in
+// FSD_SIM_SEED=104 case 576, that found it), on both kernels: both took the term in float, as 0
+// (KL 2.708). MKL likewise over the whole vocabulary (with div_top_k it is +inf through its rest
+// bucket too, where p has no mass). tests/helpers.py below_float_range_cases has these in Python.
+void check_below_float_range() {
   const int64_t vt = 36, vd = 15;
   for (const DType dtype : {DType::Float32, DType::BFloat16})
-    for (const fsd::Divergence kind : {fsd::Divergence::KL, fsd::Divergence::MKL}) {
+    for (const fsd::Divergence kind : {fsd::Divergence::KL, fsd::Divergence::MKL})
+      for (const int64_t top_k : {0, 3}) {
       AcceptCase c;
       for (Logits* l : {&c.target, &c.draft}) l->dtype = dtype;
       c.target.vocab = c.target.row_stride = vt;
@@ -367,14 +369,15 @@ void check_top_k_past_draft_vocab() {
       d.target_logits = c.target.data(), d.target_stride = vt;
       d.draft_logits = c.draft.data(), d.draft_stride = vd;
       d.divergence = kind;
-      d.top_k = 3;
+      d.top_k = top_k;
       float cpu = -7.0f, gpu = -7.0f;
       d.out = &cpu;
       fsd::cpu::divergence(d);
       d.out = &gpu;
       CHECK(fsd::cuda::launch_divergence(d, nullptr) == cudaSuccess, "golden top-k: launch failed");
       CHECK(std::isinf(cpu) && cpu > 0 && std::isinf(gpu) && gpu > 0,
-            "golden top-k divergence (div %d, dtype %d): cpu %.9g cuda %.9g, want inf", (int)kind, (int)dtype, cpu, gpu);
+            "golden top-k divergence (div %d, dtype %d, top_k %ld): cpu %.9g cuda %.9g, want inf", (int)kind,
+            (int)dtype, (long)top_k, cpu, gpu);
 
       c.num_draft.assign(1, 1);
       c.tokens64.assign(1, 0);
@@ -382,7 +385,7 @@ void check_top_k_past_draft_vocab() {
       fsd::AcceptProblem& p = c.problem;
       p.rule = fsd::Rule::FSD;
       p.divergence = kind;
-      p.div_top_k = 3;
+      p.div_top_k = top_k;
       p.threshold.scalar = 0.4f;
       p.temperature.scalar = 0.0f;
       p.div_temperature.scalar = 1.0f;
@@ -392,7 +395,8 @@ void check_top_k_past_draft_vocab() {
       CHECK(launch_accept_on(q, 0xA5), "golden top-k: launch failed");
       const float a = cpu_out.divergences[0], g = gpu_out.divergences[0];
       CHECK(std::isinf(a) && a > 0 && std::isinf(g) && g > 0,
-            "golden top-k accept (div %d, dtype %d): D cpu %.9g cuda %.9g, want inf", (int)kind, (int)dtype, a, g);
+            "golden top-k accept (div %d, dtype %d, top_k %ld): D cpu %.9g cuda %.9g, want inf", (int)kind,
+            (int)dtype, (long)top_k, a, g);
     }
 }
 
@@ -843,7 +847,7 @@ int main(int argc, char** argv) {
     if (n % 3 == 1) sample.add(compare_sample(rng, n));
   }
   compare_uniforms();
-  check_top_k_past_draft_vocab();
+  check_below_float_range();
   Tally sample_separated, sample_control;
   compare_sample_paths(rng, sample_separated, sample_control);
   std::printf("sample, well-separated on both paths: %ld of %ld rows differ; negative control (CUDA seed + 1): %ld "
