@@ -297,7 +297,8 @@ bool log_error_tolerated(Divergence kind, const std::vector<float>& target, cons
 }
 
 // js_mkl_add at its edges: both probabilities 0; one 0; the larger one flushed to 0 by the SFU
-// while the other is 0 (below the float range: the term is 0, not NaN).
+// while the other is 0 (below the float range: js's term is 0, not NaN; mkl's is +inf while the
+// probability is > 0 in float64, as in the reference, and 0 below that, log2 p < -1075).
 void test_js_mkl_edges() {
   float residual = -1.0f;
   EXPECT(js_mkl_add<Divergence::JS>(-INFINITY, -INFINITY, residual) == 0.0f && residual == 0.0f);
@@ -305,7 +306,9 @@ void test_js_mkl_edges() {
   EXPECT(js_mkl_add<Divergence::JS>(-1.0f, -INFINITY, residual) == 0.5f && residual == 0.5f);  // p log2(2)
   EXPECT(js_mkl_add<Divergence::JS>(-INFINITY, -1.0f, residual) == 0.5f && residual == 0.0f);
   EXPECT(std::isinf(js_mkl_add<Divergence::MKL>(-1.0f, -INFINITY, residual)));
-  EXPECT(js_mkl_add<Divergence::MKL>(-300.0f, -INFINITY, residual) == 0.0f && residual == 0.0f);
+  EXPECT(std::isinf(js_mkl_add<Divergence::MKL>(-300.0f, -INFINITY, residual)) && residual == 0.0f);
+  EXPECT(std::isinf(js_mkl_add<Divergence::MKL>(-INFINITY, -300.0f, residual)) && residual == 0.0f);
+  EXPECT(js_mkl_add<Divergence::MKL>(-1100.0f, -INFINITY, residual) == 0.0f && residual == 0.0f);
   EXPECT(js_mkl_add<Divergence::JS>(-300.0f, -INFINITY, residual) == 0.0f);
   EXPECT(js_mkl_add<Divergence::JS>(-2.0f, -2.0f, residual) == 0.0f && residual == 0.0f);  // p == q
 }
