@@ -23,21 +23,27 @@ constexpr double kLogZeroInDouble = -745.13;
 // kLogZeroInDouble in the unit of lp and lq (CUDA's plain path passes log2 ones).
 template <Divergence D, typename F, typename LogFn>
 FSD_INLINE F divergence_term(F p, F lp, F q, F lq, LogFn log_fn, F log_zero = F(kLogZeroInDouble)) {
-  const F half = F(0.5), zero = F(0), inf = F(INFINITY);
-  const bool p_only = lp > log_zero && lq == -inf, q_only = lq > log_zero && lp == -inf;
-  if (D == Divergence::KL) return p_only ? inf : p > zero ? p * (lp - lq) : zero;
-  if (D == Divergence::RKL) return q_only ? inf : q > zero ? q * (lq - lp) : zero;
+  const F half = F(0.5), zero = F(0);
+  // A probability > 0 in float64 counts as at least `tiny` (a normal float): one flushed to 0 in
+  // float still gives +inf against a 0 (log -inf), and elsewhere the floor adds under 1e-30.
+  const F tiny = F(1e-37);
+  const F p_floor = lp > log_zero ? (p > tiny ? p : tiny) : zero;
+  const F q_floor = lq > log_zero ? (q > tiny ? q : tiny) : zero;
+  if (D == Divergence::KL) return p_floor > zero ? p_floor * (lp - lq) : zero;
+  if (D == Divergence::RKL) return q_floor > zero ? q_floor * (lq - lp) : zero;
   if (D == Divergence::TV) return half * (p > q ? p - q : q - p);
-  if (D == Divergence::MKL && (p_only || q_only)) return inf;
+  if (D == Divergence::MKL) {  // 0.5 KL(m || p) + 0.5 KL(m || q)
+    const F m = half * (p_floor + q_floor);
+    if (!(m > zero)) return zero;
+    const F lm = log_fn(m);
+    return half * m * ((lm - lp) + (lm - lq));
+  }
   const F m = half * (p + q);
-  // m can underflow to 0 while p or q is a subnormal > 0; such a term (js, or mkl with both sides
-  // > 0) is below the smallest float anyway, and log(0) = -inf would turn it into +inf.
+  // m can underflow to 0 while p or q is a subnormal > 0; such a term is below the smallest
+  // float anyway, and log(0) = -inf would turn it into +inf.
   if (!(m > zero)) return zero;
   const F lm = log_fn(m);
-  if (D == Divergence::JS)
-    return half * ((p > zero ? p * (lp - lm) : zero) + (q > zero ? q * (lq - lm) : zero));
-  // MKL: 0.5 KL(m || p) + 0.5 KL(m || q)
-  return half * m * ((lm - lp) + (lm - lq));
+  return half * ((p > zero ? p * (lp - lm) : zero) + (q > zero ? q * (lq - lm) : zero));  // JS
 }
 
 // The sum of the terms is the divergence up to rounding; rounding can push a true 0 slightly
