@@ -38,10 +38,12 @@ IDS_PER_WORD = {"f32": 4, "bf16": 8, "f16": 8}
 
 # Common-case instructions per id that --check allows (sm_90; about 5% above what this commit
 # compiles to, so a change that adds work to the per-id loops fails CI until the budget is
-# raised on purpose).
+# raised on purpose). Raised 2026-12-04 for kl 21.8 -> 24.9 and mkl 31.3 -> 34.9 (23.75 and 33.25
+# per id compiled): rules.h's floor for probabilities below float's range but > 0 in float64 (+inf
+# against an exact 0, as the reference), three more instructions per id, a correctness fix.
 BUDGETS = {
     "stats_bf16_one_temperature": 7.9, "stats_bf16_two_temperatures": 11.0,
-    "pass_two_bf16_kl": 21.8, "pass_two_bf16_js": 30.2, "pass_two_bf16_mkl": 31.3,
+    "pass_two_bf16_kl": 24.9, "pass_two_bf16_js": 30.2, "pass_two_bf16_mkl": 34.9,
 }
 
 
