@@ -114,7 +114,9 @@ def below_float_range_cases(dtype=torch.float32):
     side to 0 would give a finite value (CUDA's div_top_k and the CPU kernel gave KL 2.708 here).
     Position 1 of the target is the bonus position, position 0 the divergence's. With div_top_k 3 the
     first case's top ids are 0, 20 and 1 (RKL is +inf too: p's rest bucket is e^-1000 = 0 against q's
-    12/15); the second's id 5 falls in the rest bucket, where both sides have mass."""
+    12/15); the second's id 5 falls in the rest bucket, where both sides have mass. In the third the
+    rest bucket is the small side: ids 3-7, past the draft vocabulary (3), e^-200 each under p (both
+    kernels summed it in float, as 0, and gave KL 0)."""
     past = torch.full((2, 2, 36), -1000.0)  # id 20 is past the draft vocabulary (15): q = 0 there
     past[..., 0] = 0.0
     past[..., 20] = -200.0
@@ -122,8 +124,12 @@ def below_float_range_cases(dtype=torch.float32):
     masked[..., 5] = float("-inf")
     masked_draft = torch.zeros(2, 1, 16)
     masked_draft[..., 5] = -300.0
+    rest = torch.full((2, 2, 8), -200.0)  # div_top_k 3: top ids 0-2, the rest past the draft vocabulary
+    rest[..., :3] = 0.0
     return [
         ("past the draft vocabulary", past.to(dtype), torch.zeros(2, 1, 15, dtype=dtype),
          {None: {"kl", "mkl"}, 3: {"kl", "rkl", "mkl"}}),
         ("a -inf target logit", masked.to(dtype), masked_draft.to(dtype), {None: {"rkl", "mkl"}, 3: set()}),
+        ("a rest bucket past the draft vocabulary", rest.to(dtype), torch.zeros(2, 1, 3, dtype=dtype),
+         {None: {"kl", "mkl"}, 3: {"kl", "mkl"}}),
     ]

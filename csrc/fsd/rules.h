@@ -13,6 +13,18 @@ namespace fsd {
 // in float but not in float64, the precision of fsd_ext/reference.py.
 constexpr double kLogZeroInDouble = -745.13;
 
+// The least a probability that is > 0 in float64 counts as (a normal float): one that flushed to
+// 0 in float still gives +inf against a 0 (log -inf), and elsewhere the floor adds under 1e-30.
+constexpr float kFloorProb = 1e-37f;
+
+// p as the divergence counts it: at least kFloorProb where its log lp is above `log_zero`
+// (kLogZeroInDouble in lp's unit), 0 below. Also what div_top_k's rest bucket adds up per id.
+template <typename F>
+FSD_INLINE F floored_prob(F p, F lp, F log_zero = F(kLogZeroInDouble)) {
+  const F tiny = F(kFloorProb);
+  return lp > log_zero ? (p > tiny ? p : tiny) : F(0);
+}
+
 // One vocabulary entry's contribution to D(p || q), from probabilities and their exact logs
 // (log-space, so an underflowed p still has a finite lp; lp = -inf exactly when p is 0 by
 // construction, e.g. a filtered token, a -inf logit or a target id beyond the draft vocabulary).
@@ -24,11 +36,7 @@ constexpr double kLogZeroInDouble = -745.13;
 template <Divergence D, typename F, typename LogFn>
 FSD_INLINE F divergence_term(F p, F lp, F q, F lq, LogFn log_fn, F log_zero = F(kLogZeroInDouble)) {
   const F half = F(0.5), zero = F(0);
-  // A probability > 0 in float64 counts as at least `tiny` (a normal float): one flushed to 0 in
-  // float still gives +inf against a 0 (log -inf), and elsewhere the floor adds under 1e-30.
-  const F tiny = F(1e-37);
-  const F p_floor = lp > log_zero ? (p > tiny ? p : tiny) : zero;
-  const F q_floor = lq > log_zero ? (q > tiny ? q : tiny) : zero;
+  const F p_floor = floored_prob(p, lp, log_zero), q_floor = floored_prob(q, lq, log_zero);
   if (D == Divergence::KL) return p_floor > zero ? p_floor * (lp - lq) : zero;
   if (D == Divergence::RKL) return q_floor > zero ? q_floor * (lq - lp) : zero;
   if (D == Divergence::TV) return half * (p > q ? p - q : q - p);

@@ -661,6 +661,15 @@ std::vector<int64_t> top_ids(const T* zt, int64_t vt, const Dist& p, int64_t k, 
   return top;
 }
 
+// Whether some id of [0, n) outside `top` (sorted) has a probability > 0 in float64.
+template <typename T>
+bool rest_above_double_zero(const T* row, int64_t n, const Dist& d, const std::vector<int64_t>& top) {
+  for (int64_t j = 0; j < n; ++j)
+    if (d.log_prob(load_logit(row, j), j) > kLogZeroInDouble && !std::binary_search(top.begin(), top.end(), j))
+      return true;
+  return false;
+}
+
 // div_top_k: the divergence over k+1 buckets, the k most probable ids under p (top_ids) and one
 // bucket with the rest of the mass, for p and q alike; the rest is summed over the gaps between
 // the k ids (vectorised). Any p and q (cutoffs, one-hot).
@@ -684,7 +693,10 @@ double divergence_bucketed(const T* zt, int64_t vt, const Dist& p, const T* zd, 
       rest += sum_range<SumOf::Weights>(begin, std::min(id, n), weight);
       begin = id + 1;
     }
-    return (rest + sum_range<SumOf::Weights>(begin, n, weight)) / d.sum;
+    rest = (rest + sum_range<SumOf::Weights>(begin, n, weight)) / d.sum;
+    // A rest that is 0 in float but > 0 in float64 counts as kFloorProb, as in divergence_term
+    // (CUDA floors each id it adds, rules.h floored_prob); rare, so looked for only then.
+    return rest > 0.0 || !rest_above_double_zero(row, n, d, top) ? rest : (double)kFloorProb;
   };
   const double rest_p = rest_of(zt, vt, p), rest_q = rest_of(zd, vd, q);
   return total + divergence_term<D>(rest_p, std::log(rest_p), rest_q, std::log(rest_q), log_fn);

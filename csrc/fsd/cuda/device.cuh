@@ -815,9 +815,9 @@ __device__ __forceinline__ void pass_two(const T* __restrict__ target, const T* 
           const bool in_top = key > top.key || (key == top.key && j + i <= top.tie_last);
           if (in_top) {
             div += divergence_term<D, float>(pp, lp, qq, lq, log_fn);
-          } else {
-            rest_p += pp;
-            rest_q += qq;
+          } else {  // floored, so a rest > 0 in float64 only is not 0 (rules.h)
+            rest_p += floored_prob(pp, lp);
+            rest_q += floored_prob(qq, lq);
           }
         } else {
           div += divergence_term<D, float>(pp, lp, qq, lq, log_fn);

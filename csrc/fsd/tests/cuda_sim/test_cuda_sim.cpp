@@ -340,26 +340,37 @@ void compare_divergence(Rng& rng, int n) {
 }
 
 // Golden: a probability below float's range against a draft vocabulary smaller than the target's
-// (DESIGN.md section 2). Target logits 0 at id 0, -200 at id 20 (past V_d = 15, so q = 0 there by
-// construction), -1000 elsewhere; draft logits all 0. p(20) = e^-200 is below float's range but
-// not 0, so KL is +inf (reference.py, in float64), over the whole vocabulary and with div_top_k 3
-// (top ids 0, 20 and 1), by fsd_ext.divergence and by accept (K 1, one row, greedy as in
-// FSD_SIM_SEED=104 case 576, that found it), on both kernels: both took the term in float, as 0
-// (KL 2.708). MKL likewise over the whole vocabulary (with div_top_k it is +inf through its rest
-// bucket too, where p has no mass). tests/helpers.py below_float_range_cases has these in Python.
+// (DESIGN.md section 2), in two layouts, draft logits all 0 in both.
+//   "id": target logits 0 at id 0, -200 at id 20 (past V_d = 15, so q = 0 there by construction),
+//   -1000 elsewhere. p(20) = e^-200 is below float's range but not 0, so KL is +inf (reference.py,
+//   in float64), over the whole vocabulary and with div_top_k 3 (top ids 0, 20 and 1), by
+//   fsd_ext.divergence and by accept (K 1, one row, greedy as in FSD_SIM_SEED=104 case 576, that
+//   found it), on both kernels: both took the term in float, as 0 (KL 2.708). MKL likewise over the
+//   whole vocabulary (with div_top_k it is +inf through its rest bucket too, where p has no mass).
+//   "rest": V_t = 8, V_d = 3, target logits 0 at ids 0-2 and -200 at 3-7: with div_top_k 3 the rest
+//   bucket is ids 3-7, e^-200 each under p and 0 under q, so KL and MKL are +inf through the rest
+//   bucket (both kernels summed it in float, as 0, and gave KL 0).
+// tests/helpers.py below_float_range_cases has these in Python.
 void check_below_float_range() {
-  const int64_t vt = 36, vd = 15;
+  for (const bool rest_layout : {false, true})
   for (const DType dtype : {DType::Float32, DType::BFloat16})
     for (const fsd::Divergence kind : {fsd::Divergence::KL, fsd::Divergence::MKL})
       for (const int64_t top_k : {0, 3}) {
+      const int64_t vt = rest_layout ? 8 : 36, vd = rest_layout ? 3 : 15;
       AcceptCase c;
       for (Logits* l : {&c.target, &c.draft}) l->dtype = dtype;
       c.target.vocab = c.target.row_stride = vt;
       c.draft.vocab = c.draft.row_stride = vd;
       c.target.rows = 2, c.draft.rows = 1;
-      c.target.values.assign(2 * vt, -1000.0f);
-      c.target.values[0] = c.target.values[vt] = 0.0f;
-      c.target.values[20] = -200.0f;
+      if (rest_layout) {
+        c.target.values.assign(2 * vt, -200.0f);
+        for (int64_t r = 0; r < 2; ++r)
+          for (int64_t j = 0; j < vd; ++j) c.target.values[r * vt + j] = 0.0f;
+      } else {
+        c.target.values.assign(2 * vt, -1000.0f);
+        c.target.values[0] = c.target.values[vt] = 0.0f;
+        c.target.values[20] = -200.0f;
+      }
       c.draft.values.assign(vd, 0.0f);
       store_logits(c.target);
       store_logits(c.draft);
@@ -376,8 +387,8 @@ void check_below_float_range() {
       d.out = &gpu;
       CHECK(fsd::cuda::launch_divergence(d, nullptr) == cudaSuccess, "golden top-k: launch failed");
       CHECK(std::isinf(cpu) && cpu > 0 && std::isinf(gpu) && gpu > 0,
-            "golden top-k divergence (div %d, dtype %d, top_k %ld): cpu %.9g cuda %.9g, want inf", (int)kind,
-            (int)dtype, (long)top_k, cpu, gpu);
+            "golden top-k divergence (%s layout, div %d, dtype %d, top_k %ld): cpu %.9g cuda %.9g, want inf",
+            rest_layout ? "rest" : "id", (int)kind, (int)dtype, (long)top_k, cpu, gpu);
 
       c.num_draft.assign(1, 1);
       c.tokens64.assign(1, 0);
@@ -395,8 +406,8 @@ void check_below_float_range() {
       CHECK(launch_accept_on(q, 0xA5), "golden top-k: launch failed");
       const float a = cpu_out.divergences[0], g = gpu_out.divergences[0];
       CHECK(std::isinf(a) && a > 0 && std::isinf(g) && g > 0,
-            "golden top-k accept (div %d, dtype %d, top_k %ld): D cpu %.9g cuda %.9g, want inf", (int)kind,
-            (int)dtype, (long)top_k, a, g);
+            "golden top-k accept (%s layout, div %d, dtype %d, top_k %ld): D cpu %.9g cuda %.9g, want inf",
+            rest_layout ? "rest" : "id", (int)kind, (int)dtype, (long)top_k, a, g);
     }
 }
 
