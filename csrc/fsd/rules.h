@@ -24,6 +24,11 @@ FSD_INLINE F floored_prob(F p, F lp, F log_zero = F(kLogZeroInDouble)) {
   const F tiny = F(kFloorProb);
   return lp > log_zero ? (p > tiny ? p : tiny) : F(0);
 }
+template <typename F>
+FSD_INLINE F floored_prob_above_zero(F p) {  // floored_prob where lp > log_zero is known
+  const F tiny = F(kFloorProb);
+  return p > tiny ? p : tiny;
+}
 
 // One vocabulary entry's contribution to D(p || q), from probabilities and their exact logs
 // (log-space, so an underflowed p still has a finite lp; lp = -inf exactly when p is 0 by
@@ -36,13 +41,14 @@ FSD_INLINE F floored_prob(F p, F lp, F log_zero = F(kLogZeroInDouble)) {
 template <Divergence D, typename F, typename LogFn>
 FSD_INLINE F divergence_term(F p, F lp, F q, F lq, LogFn log_fn, F log_zero = F(kLogZeroInDouble)) {
   const F half = F(0.5), zero = F(0);
-  const F p_floor = floored_prob(p, lp, log_zero), q_floor = floored_prob(q, lq, log_zero);
-  if (D == Divergence::KL) return p_floor > zero ? p_floor * (lp - lq) : zero;
-  if (D == Divergence::RKL) return q_floor > zero ? q_floor * (lq - lp) : zero;
+  // KL and RKL test lp (lq) itself, not the floored p > 0: the same term, one select fewer.
+  if (D == Divergence::KL) return lp > log_zero ? floored_prob_above_zero(p) * (lp - lq) : zero;
+  if (D == Divergence::RKL) return lq > log_zero ? floored_prob_above_zero(q) * (lq - lp) : zero;
   if (D == Divergence::TV) return half * (p > q ? p - q : q - p);
   if (D == Divergence::MKL) {  // 0.5 KL(m || p) + 0.5 KL(m || q)
-    const F m = half * (p_floor + q_floor);
-    if (!(m > zero)) return zero;
+    // m is > 0 in float64 where p or q is: one floor, by the larger log, instead of two.
+    if (!((lp > lq ? lp : lq) > log_zero)) return zero;
+    const F m = floored_prob_above_zero(half * (p + q));
     const F lm = log_fn(m);
     return half * m * ((lm - lp) + (lm - lq));
   }

@@ -259,13 +259,11 @@ FSD_INLINE float js_mkl_add(float lp, float lq, float& residual_term, Log2Fn log
   const float small = big * r, both = big + small;
   residual_term = p_larger ? big - small : 0.0f;
   const float L = log2_fn(1.0f + r);
-  // (small d: 0 when small is 0, also where d is -inf; mkl: 0 when both flushed to 0, +inf where
-  // exactly one probability is 0.)
+  // (small d: 0 when small is 0, also where d is -inf.)
   if (D == Divergence::JS) return both * (1.0f - L) + small * fmaxf(d, -FLT_MAX);
-  // Exactly one probability 0 and the other > 0 in float64 (divergence_term): +inf, also where
-  // the other flushed to 0 here.
-  if (d == -kInf && hi > kLog2ZeroInDouble) return kInf;
-  return both > 0.0f ? both * (L - 1.0f - 0.5f * d) : 0.0f;
+  // mkl: 0 where both are 0 in float64; otherwise p + q floored as divergence_term floors m, so
+  // exactly one probability 0 (d = -inf) gives +inf, also where the other flushed to 0 here.
+  return hi > kLog2ZeroInDouble ? floored_prob_above_zero(both) * (L - 1.0f - 0.5f * d) : 0.0f;
 }
 
 // divergence_term's logarithm for kl, rkl and tv, which never call it.
