@@ -107,6 +107,27 @@ def filter_rows(shape: str, rows: int, vocab: int, seed: int = 3) -> torch.Tenso
     return x
 
 
+def tiny_rest_cases(dtype=torch.float32):
+    """(name, target [2, 2, V], draft [2, 1, V], div_top_k, temperature) where div_top_k's rest bucket
+    has a mass below float's range under p but not under q: RKL and MKL then hang on the rest's
+    log, which a float sum of the rest's probabilities loses (the kernels gave RKL 3.65 for the
+    reference's 26.75 in the first case, and before the 1e-37 floor +inf). The second is a batch of
+    realistic rows: a confident target (its top 10 ids 40 logits up) against a less sure draft,
+    temperature 0.3 (the kernels gave RKL 0.68 for 0.90 on one row, either side of a usual
+    threshold, and 85.16 for 115.9 on another)."""
+    small = torch.full((2, 2, 8), -600.0)
+    small[..., 0] = 0.0
+    small_draft = torch.full((2, 1, 8), -5.0)
+    small_draft[..., 0] = 0.0
+    gen = torch.Generator().manual_seed(11)
+    confident = torch.randn(4, 2, 4096, generator=gen) * 2
+    confident[..., :10] += 40
+    unsure = confident[:, :1] + torch.randn(4, 1, 4096, generator=gen) * 2
+    unsure[..., :10] -= 35
+    return [("e^-600 outside the top id", small.to(dtype), small_draft.to(dtype), 1, 1.0),
+            ("a confident target at temperature 0.3", confident.to(dtype), unsure.to(dtype), 10, 0.3)]
+
+
 def below_float_range_cases(dtype=torch.float32):
     """(name, target [2, 2, V], draft [2, 1, V_d], {div_top_k: kinds that are +inf}) where one side's probability
     is 0 by construction and the other's is below float's range but > 0 in float64 (e^-200,

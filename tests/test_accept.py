@@ -8,7 +8,7 @@ import torch
 import fsd_ext
 from fsd_ext import reference
 from helpers import (FILTER_ROW_SHAPES, agreement_up_to_ties, assert_same_result, below_float_range_cases, both,
-                     filter_rows, float_weight_draws, make_problem, rows_agree)
+                     filter_rows, float_weight_draws, make_problem, rows_agree, tiny_rest_cases)
 
 RULES = ["greedy", "sd", "fsd", "fsd_strict"]
 DIVERGENCES = ["kl", "rkl", "js", "tv", "mkl"]
@@ -147,6 +147,22 @@ def test_probabilities_below_float_range_against_zero(divergence, div_top_k, dty
         kernel, ref = both(target, draft, torch.zeros(2, 1, dtype=torch.long), rule="fsd", divergence=divergence,
                            threshold=0.4, div_top_k=div_top_k, temperature=0.0, seed=5, return_divergence=True)
         assert_same_result(kernel, ref)
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_rest_bucket_below_float_range_keeps_its_log(divergence, dtype):
+    """div_top_k's rest bucket with a mass below float's range under p: the divergence as the
+    reference has it (RKL / MKL depend on the rest's log), by fsd_ext.divergence and by accept."""
+    for name, target, draft, top_k, temperature in tiny_rest_cases(dtype):
+        d = fsd_ext.divergence(target[:, 0], draft[:, 0], kind=divergence, temperature=temperature, top_k=top_k)
+        r = reference.divergence(target[:, 0], draft[:, 0], kind=divergence, temperature=temperature, top_k=top_k)
+        torch.testing.assert_close(d, r, rtol=1e-5, atol=1e-6, msg=name)
+        tokens = torch.zeros(target.shape[0], 1, dtype=torch.long)
+        kernel, ref = both(target, draft, tokens, rule="fsd", divergence=divergence, threshold=10.0,
+                           div_top_k=top_k, div_temperature=temperature, temperature=0.0, seed=5,
+                           return_divergence=True)
+        assert_same_result(kernel, ref)
+
 
 def test_per_row_threshold_temperature_and_div_options():
     target, draft, tokens = make_problem(16, 4, 700, seed=12)

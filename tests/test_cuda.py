@@ -27,7 +27,7 @@ import torch
 
 from fsd_ext import reference
 from helpers import (FILTER_ROW_SHAPES, agreement_up_to_ties, assert_same_result, below_float_range_cases, filter_rows,
-                     float_weight_draws, rows_agree)
+                     float_weight_draws, rows_agree, tiny_rest_cases)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -318,6 +318,22 @@ def test_probabilities_below_float_range_against_zero(fops, dtype):
                           return_divergence=True)
                 assert_same_result(run_accept(fops, "cuda", target, draft, tokens, **kw),
                                    reference.accept(target, draft, tokens, **kw))
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_rest_bucket_below_float_range_keeps_its_log(fops, dtype):
+    """helpers.tiny_rest_cases on the GPU: div_top_k's rest bucket below float's range under p is
+    redone as a log-sum-exp (exact_tiny_rests), by divergence and by accept."""
+    for name, target, draft, top_k, temperature in tiny_rest_cases(dtype):
+        tokens = torch.zeros(target.shape[0], 1, dtype=torch.long)
+        for kind in DIVERGENCES:
+            got = fops.divergence(target[:, 0].cuda(), draft[:, 0].cuda(), kind, temperature, top_k).cpu()
+            want = reference.divergence(target[:, 0], draft[:, 0], kind, temperature, top_k)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"{name} {kind}")
+            kw = dict(rule="fsd", divergence=kind, threshold=10.0, div_top_k=top_k, div_temperature=temperature,
+                      temperature=0.0, seed=5, return_divergence=True)
+            assert_same_result(run_accept(fops, "cuda", target, draft, tokens, **kw),
+                               reference.accept(target, draft, tokens, **kw))
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("filters", [dict(), dict(top_k=5), dict(top_p=0.7), dict(min_p=0.1)])

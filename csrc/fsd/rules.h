@@ -18,7 +18,7 @@ constexpr double kLogZeroInDouble = -745.13;
 constexpr float kFloorProb = 1e-37f;
 
 // p as the divergence counts it: at least kFloorProb where its log lp is above `log_zero`
-// (kLogZeroInDouble in lp's unit), 0 below. Also what div_top_k's rest bucket adds up per id.
+// (kLogZeroInDouble in lp's unit), 0 below.
 template <typename F>
 FSD_INLINE F floored_prob(F p, F lp, F log_zero = F(kLogZeroInDouble)) {
   const F tiny = F(kFloorProb);
@@ -29,6 +29,43 @@ FSD_INLINE F floored_prob_above_zero(F p) {  // floored_prob where lp > log_zero
   const F tiny = F(kFloorProb);
   return p > tiny ? p : tiny;
 }
+
+// div_top_k's rest bucket: both kernels sum its mass from float probabilities, which is exact to
+// float rounding down to about this (ids flushed to 0 or subnormal add at most 262144 x 1.2e-38).
+// A rest summed below it is recomputed as a log-sum-exp (LogMass) over the rest's ids, so its log is
+// right where every id is below float's range, as RKL and MKL need it (tests/helpers.py
+// tiny_rest_cases: RKL 26.75, where a sum floored at kFloorProb gave 3.65 and an unfloored one +inf).
+constexpr double kExactRestBelow = 1e-20;
+
+// A log-sum-exp added up one log-probability at a time: log(sum) = max + log(sum_of_scaled).
+// Only logs above kLogZeroInDouble count (their exp is > 0 in float64, as in the reference).
+template <typename F>
+struct LogMass {
+  F max = -F(HUGE_VAL);  // the largest log added (-inf: none)
+  F scaled = F(0);       // sum of exp(l - max)
+  template <typename ExpFn>
+  FSD_INLINE void add(F l, ExpFn exp_fn) {
+    if (!(l > F(kLogZeroInDouble))) return;
+    if (l > max) {
+      scaled = scaled * exp_fn(max - l) + F(1);
+      max = l;
+    } else {
+      scaled += exp_fn(l - max);
+    }
+  }
+  template <typename ExpFn>
+  FSD_INLINE LogMass merged(const LogMass& o, ExpFn exp_fn) const {
+    if (!(o.max > -F(HUGE_VAL))) return *this;
+    if (!(max > -F(HUGE_VAL))) return o;
+    LogMass out;
+    out.max = max > o.max ? max : o.max;
+    out.scaled = scaled * exp_fn(max - out.max) + o.scaled * exp_fn(o.max - out.max);
+    return out;
+  }
+  FSD_INLINE double log_value() const {  // log of the mass; -inf when nothing was added
+    return max > -F(HUGE_VAL) ? (double)max + ::log((double)scaled) : -HUGE_VAL;
+  }
+};
 
 // One vocabulary entry's contribution to D(p || q), from probabilities and their exact logs
 // (log-space, so an underflowed p still has a finite lp; lp = -inf exactly when p is 0 by

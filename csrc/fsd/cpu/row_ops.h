@@ -661,13 +661,15 @@ std::vector<int64_t> top_ids(const T* zt, int64_t vt, const Dist& p, int64_t k, 
   return top;
 }
 
-// Whether some id of [0, n) outside `top` (sorted) has a probability > 0 in float64.
+// log of the rest bucket's mass in float64: a log-sum-exp over the ids of [0, n) outside `top`
+// (sorted). For a rest whose float sum fell below kExactRestBelow (rules.h), so it is rare.
 template <typename T>
-bool rest_above_double_zero(const T* row, int64_t n, const Dist& d, const std::vector<int64_t>& top) {
+double exact_log_rest(const T* row, int64_t n, const Dist& d, const std::vector<int64_t>& top) {
+  LogMass<double> mass;
+  const auto exp_fn = [](double x) { return std::exp(x); };
   for (int64_t j = 0; j < n; ++j)
-    if (d.log_prob(load_logit(row, j), j) > kLogZeroInDouble && !std::binary_search(top.begin(), top.end(), j))
-      return true;
-  return false;
+    if (!std::binary_search(top.begin(), top.end(), j)) mass.add(d.log_prob(load_logit(row, j), j), exp_fn);
+  return mass.log_value();
 }
 
 // div_top_k: the divergence over k+1 buckets, the k most probable ids under p (top_ids) and one
@@ -684,8 +686,14 @@ double divergence_bucketed(const T* zt, int64_t vt, const Dist& p, const T* zd, 
     const double b = j < vd ? q.log_prob(load_logit(zd, j), j) : -(double)kInf;
     total += divergence_term<D>(std::exp(a), a, std::exp(b), b, log_fn);
   }
-  auto rest_of = [&top](const T* row, int64_t n, const Dist& d) -> double {
-    if (d.one_hot >= 0) return d.one_hot < n && !std::binary_search(top.begin(), top.end(), d.one_hot) ? 1.0 : 0.0;
+  struct Mass {
+    double value, log;
+  };
+  auto rest_of = [&top](const T* row, int64_t n, const Dist& d) -> Mass {
+    if (d.one_hot >= 0) {
+      const double rest = d.one_hot < n && !std::binary_search(top.begin(), top.end(), d.one_hot) ? 1.0 : 0.0;
+      return {rest, std::log(rest)};
+    }
     const auto weight = kept_exp(row, d);
     double rest = 0.0;
     int64_t begin = 0;
@@ -694,12 +702,12 @@ double divergence_bucketed(const T* zt, int64_t vt, const Dist& p, const T* zd, 
       begin = id + 1;
     }
     rest = (rest + sum_range<SumOf::Weights>(begin, n, weight)) / d.sum;
-    // A rest that is 0 in float but > 0 in float64 counts as kFloorProb, as in divergence_term
-    // (CUDA floors each id it adds, rules.h floored_prob); rare, so looked for only then.
-    return rest > 0.0 || !rest_above_double_zero(row, n, d, top) ? rest : (double)kFloorProb;
+    if (rest >= kExactRestBelow) return {rest, std::log(rest)};
+    const double log_rest = exact_log_rest(row, n, d, top);  // below float's range: its log matters
+    return {std::exp(log_rest), log_rest};
   };
-  const double rest_p = rest_of(zt, vt, p), rest_q = rest_of(zd, vd, q);
-  return total + divergence_term<D>(rest_p, std::log(rest_p), rest_q, std::log(rest_q), log_fn);
+  const Mass rest_p = rest_of(zt, vt, p), rest_q = rest_of(zd, vd, q);
+  return total + divergence_term<D>(rest_p.value, rest_p.log, rest_q.value, rest_q.log, log_fn);
 }
 
 // D(p || q). `exps_t` / `exps_d` (optional): the exponentials sum_exp stored while computing p.sum

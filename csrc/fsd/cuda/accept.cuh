@@ -558,6 +558,8 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
                                                   pb.need_divergence, need_residual, tb, reverse, acc);
         });
         sums = cub::BlockReduce<PassTwo, kThreads>(sh.temp.reduce).Reduce(acc, PassTwoSum());
+        if (tb.on && pb.need_divergence)
+          exact_tiny_rests<kShared>(target, draft, begin, end, pb.draft_vocab, pd, qd, tb, sums);
         FSD_TRACE(pb, kTracePassTwo);
       }
       if (sum_p) {  // (need_residual is false here: draw_mass was free)

@@ -756,6 +756,12 @@ __device__ __forceinline__ uint32_t rank_key(const Dist& d, float z, int64_t id)
   return float_key(d.log_prob(z, id) > -kInf ? d.scaled(z) : -kInf);
 }
 
+// Whether an id is one of div_top_k's top ids (lp: its log-probability under pd).
+__device__ __forceinline__ bool in_top_bucket(const TopBuckets& top, const Dist& pd, float zt, float lp, int64_t id) {
+  const uint32_t key = float_key(lp > -kInf ? pd.scaled(zt) : -kInf);
+  return key > top.key || (key == top.key && id <= top.tie_last);
+}
+
 // Pass 2's plain path (streaming.cuh): p and q plain softmaxes that the divergence compares
 // itself, no buckets. Terms summed in float per thread, flushed to double every 32 vectors.
 template <Divergence D, bool kDiv, bool kResidual, bool kShared, typename T>
@@ -811,13 +817,11 @@ __device__ __forceinline__ void pass_two(const T* __restrict__ target, const T* 
         pp = lp > -kInf ? fast_exp(lp) : 0.0f;
         qq = lq > -kInf ? fast_exp(lq) : 0.0f;
         if (top.on) {
-          const uint32_t key = float_key(lp > -kInf ? pd.scaled(zt) : -kInf);
-          const bool in_top = key > top.key || (key == top.key && j + i <= top.tie_last);
-          if (in_top) {
+          if (in_top_bucket(top, pd, zt, lp, j + i)) {
             div += divergence_term<D, float>(pp, lp, qq, lq, log_fn);
-          } else {  // floored, so a rest > 0 in float64 only is not 0 (rules.h)
-            rest_p += floored_prob(pp, lp);
-            rest_q += floored_prob(qq, lq);
+          } else {  // (a rest that sums below kExactRestBelow is redone by exact_tiny_rests)
+            rest_p += pp;
+            rest_q += qq;
           }
         } else {
           div += divergence_term<D, float>(pp, lp, qq, lq, log_fn);
@@ -850,6 +854,50 @@ struct PassTwoSum {
     return out;
   }
 };
+
+// div_top_k's rest buckets of [begin, end) in float64 where pass 2's float sum (`sums`, the block's
+// reduction, valid on thread 0) fell below kExactRestBelow (rules.h): a log-sum-exp over the rest
+// ids of that side, so a rest below float's range still has the right log. Block-uniform: every
+// thread calls it after the reduction; a block whose rests are both above the bound only syncs.
+struct RestLogMass {
+  LogMass<float> p, q;
+};
+struct FastExp {
+  __device__ __forceinline__ float operator()(float x) const { return fast_exp(x); }
+};
+struct RestLogMassMerge {
+  __device__ __forceinline__ RestLogMass operator()(const RestLogMass& a, const RestLogMass& b) const {
+    return RestLogMass{a.p.merged(b.p, FastExp{}), a.q.merged(b.q, FastExp{})};
+  }
+};
+template <bool kShared = false, typename T>
+__device__ __forceinline__ void exact_tiny_rests(const T* __restrict__ target, const T* __restrict__ draft, int64_t begin,
+                                              int64_t end, int64_t draft_vocab, const Dist& pd, const Dist& qd,
+                                              const TopBuckets& top, PassTwo& sums) {
+  __shared__ int sides;  // bit 0: p's rest, bit 1: q's
+  __shared__ typename cub::BlockReduce<RestLogMass, kThreads>::TempStorage temp;
+  if (threadIdx.x == 0) sides = (sums.rest_p < kExactRestBelow ? 1 : 0) | (sums.rest_q < kExactRestBelow ? 2 : 0);
+  __syncthreads();
+  const int need = sides;
+  if (need == 0) return;
+  RestLogMass acc;
+  block_for_each_pair<T, kShared>(target, draft, begin, end, draft_vocab, false, [&](int64_t j, const float* a, const float* b, auto width) {
+#pragma unroll
+    for (int i = 0; i < decltype(width)::value; ++i) {
+      const float zt = clamp_logit(a[i]), zd = clamp_logit(b[i]);
+      const float lp = pd.log_prob(zt, j + i);
+      if (in_top_bucket(top, pd, zt, lp, j + i)) continue;
+      if (need & 1) acc.p.add(lp, FastExp{});
+      if (need & 2) acc.q.add(zd > -kInf ? qd.log_prob(zd, j + i) : -kInf, FastExp{});
+    }
+  });
+  const RestLogMass total = cub::BlockReduce<RestLogMass, kThreads>(temp).Reduce(acc, RestLogMassMerge());
+  if (threadIdx.x == 0) {
+    if (need & 1) sums.rest_p = exp(total.p.log_value());
+    if (need & 2) sums.rest_q = exp(total.q.log_value());
+  }
+  __syncthreads();  // `sides` and `temp` are reused by the block's next call
+}
 
 // Calls f(std::integral_constant<Divergence, kind>) for a runtime divergence kind, so a kernel
 // holds one copy of the per-id loop per kind but one copy of everything else.

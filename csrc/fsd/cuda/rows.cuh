@@ -48,7 +48,8 @@ __global__ void __launch_bounds__(kThreads, 2) divergence_rows_kernel(const Dive
   with_divergence(pb.divergence, [&](auto tag) {
     pass_two<decltype(tag)::value>(target, draft, 0, pb.target_vocab, pb.draft_vocab, p, q, p, q, true, false, top, true, acc);
   });
-  const PassTwo sums = cub::BlockReduce<PassTwo, kThreads>(temp.reduce).Reduce(acc, PassTwoSum());
+  PassTwo sums = cub::BlockReduce<PassTwo, kThreads>(temp.reduce).Reduce(acc, PassTwoSum());
+  if (top.on) exact_tiny_rests(target, draft, 0, pb.target_vocab, pb.draft_vocab, p, q, top, sums);
   if (threadIdx.x == 0) pb.out[r] = finish_pass_two(pb.divergence, sums, top.on);
 }
 

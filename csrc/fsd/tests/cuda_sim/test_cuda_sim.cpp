@@ -351,63 +351,107 @@ void compare_divergence(Rng& rng, int n) {
 //   bucket is ids 3-7, e^-200 each under p and 0 under q, so KL and MKL are +inf through the rest
 //   bucket (both kernels summed it in float, as 0, and gave KL 0).
 // tests/helpers.py below_float_range_cases has these in Python.
+// One golden row (target rows for positions 0 and 1, one draft row) through fsd_ext.divergence
+// and through accept (FSD, K 1, greedy, threshold 0.4) on both kernels: the divergence each gives.
+struct GoldenDivergences {
+  float op_cpu, op_cuda, accept_cpu, accept_cuda;
+};
+GoldenDivergences golden_divergences(int64_t vt, int64_t vd, const std::vector<float>& target,
+                                     const std::vector<float>& draft, DType dtype, fsd::Divergence kind,
+                                     int64_t top_k) {
+  AcceptCase c;
+  for (Logits* l : {&c.target, &c.draft}) l->dtype = dtype;
+  c.target.vocab = c.target.row_stride = vt;
+  c.draft.vocab = c.draft.row_stride = vd;
+  c.target.rows = 2, c.draft.rows = 1;
+  c.target.values = target;
+  c.draft.values = draft;
+  store_logits(c.target);
+  store_logits(c.draft);
+
+  GoldenDivergences out{-7.0f, -7.0f, -7.0f, -7.0f};
+  fsd::DivergenceProblem d;
+  d.rows = 1, d.target_vocab = vt, d.draft_vocab = vd, d.dtype = dtype;
+  d.target_logits = c.target.data(), d.target_stride = vt;
+  d.draft_logits = c.draft.data(), d.draft_stride = vd;
+  d.divergence = kind;
+  d.top_k = top_k;
+  d.out = &out.op_cpu;
+  fsd::cpu::divergence(d);
+  d.out = &out.op_cuda;
+  CHECK(fsd::cuda::launch_divergence(d, nullptr) == cudaSuccess, "golden divergence: launch failed");
+
+  c.num_draft.assign(1, 1);
+  c.tokens64.assign(1, 0);
+  bind_accept_problem(c, 1, 1, false, false);
+  fsd::AcceptProblem& p = c.problem;
+  p.rule = fsd::Rule::FSD;
+  p.divergence = kind;
+  p.div_top_k = top_k;
+  p.threshold.scalar = 0.4f;
+  p.temperature.scalar = 0.0f;
+  p.div_temperature.scalar = 1.0f;
+  default_launch(0);
+  AcceptOutputs cpu_out, gpu_out;
+  const fsd::AcceptProblem q = run_on_cpu(c, cpu_out, gpu_out);
+  CHECK(launch_accept_on(q, 0xA5), "golden accept: launch failed");
+  out.accept_cpu = cpu_out.divergences[0];
+  out.accept_cuda = gpu_out.divergences[0];
+  return out;
+}
+
 void check_below_float_range() {
   for (const bool rest_layout : {false, true})
+    for (const DType dtype : {DType::Float32, DType::BFloat16})
+      for (const fsd::Divergence kind : {fsd::Divergence::KL, fsd::Divergence::MKL})
+        for (const int64_t top_k : {0, 3}) {
+          const int64_t vt = rest_layout ? 8 : 36, vd = rest_layout ? 3 : 15;
+          std::vector<float> target;
+          if (rest_layout) {
+            target.assign(2 * vt, -200.0f);
+            for (int64_t r = 0; r < 2; ++r)
+              for (int64_t j = 0; j < vd; ++j) target[r * vt + j] = 0.0f;
+          } else {
+            target.assign(2 * vt, -1000.0f);
+            target[0] = target[vt] = 0.0f;
+            target[20] = -200.0f;
+          }
+          const GoldenDivergences g = golden_divergences(vt, vd, target, std::vector<float>(vd, 0.0f), dtype, kind, top_k);
+          for (const float v : {g.op_cpu, g.op_cuda, g.accept_cpu, g.accept_cuda})
+            CHECK(std::isinf(v) && v > 0,
+                  "golden below float's range (%s layout, div %d, dtype %d, top_k %ld): divergence cpu %.9g cuda "
+                  "%.9g, accept cpu %.9g cuda %.9g, want inf",
+                  rest_layout ? "rest" : "id", (int)kind, (int)dtype, (long)top_k, g.op_cpu, g.op_cuda, g.accept_cpu,
+                  g.accept_cuda);
+        }
+}
+
+// Golden: div_top_k 1's rest bucket below float's range under p (tests/helpers.py tiny_rest_cases'
+// first case). V = 8; target logits 0 at id 0 and -600 elsewhere, draft logits 0 and -5: p's rest
+// is 7 e^-600, q's 7 e^-5 / (1 + 7 e^-5). RKL and MKL depend on log p_rest = -598.05; a float sum
+// of the rest's probabilities gave 3.65 for RKL's 26.75.
+void check_tiny_rest_log() {
+  const int64_t v = 8;
+  std::vector<float> target(2 * v, -600.0f), draft(v, -5.0f);
+  target[0] = target[v] = 0.0f;
+  draft[0] = 0.0f;
+  // The two buckets' log-probabilities, in double.
+  const double lp[2] = {-std::log1p(7.0 * std::exp(-600.0)), std::log(7.0) - 600.0 - std::log1p(7.0 * std::exp(-600.0))};
+  const double lq[2] = {-std::log1p(7.0 * std::exp(-5.0)), std::log(7.0) - 5.0 - std::log1p(7.0 * std::exp(-5.0))};
+  double rkl = 0.0, mkl = 0.0;
+  for (int i = 0; i < 2; ++i) {
+    const double p = std::exp(lp[i]), q = std::exp(lq[i]), m = 0.5 * (p + q), lm = std::log(m);
+    rkl += q * (lq[i] - lp[i]);
+    mkl += 0.5 * m * ((lm - lp[i]) + (lm - lq[i]));
+  }
   for (const DType dtype : {DType::Float32, DType::BFloat16})
-    for (const fsd::Divergence kind : {fsd::Divergence::KL, fsd::Divergence::MKL})
-      for (const int64_t top_k : {0, 3}) {
-      const int64_t vt = rest_layout ? 8 : 36, vd = rest_layout ? 3 : 15;
-      AcceptCase c;
-      for (Logits* l : {&c.target, &c.draft}) l->dtype = dtype;
-      c.target.vocab = c.target.row_stride = vt;
-      c.draft.vocab = c.draft.row_stride = vd;
-      c.target.rows = 2, c.draft.rows = 1;
-      if (rest_layout) {
-        c.target.values.assign(2 * vt, -200.0f);
-        for (int64_t r = 0; r < 2; ++r)
-          for (int64_t j = 0; j < vd; ++j) c.target.values[r * vt + j] = 0.0f;
-      } else {
-        c.target.values.assign(2 * vt, -1000.0f);
-        c.target.values[0] = c.target.values[vt] = 0.0f;
-        c.target.values[20] = -200.0f;
-      }
-      c.draft.values.assign(vd, 0.0f);
-      store_logits(c.target);
-      store_logits(c.draft);
-
-      fsd::DivergenceProblem d;
-      d.rows = 1, d.target_vocab = vt, d.draft_vocab = vd, d.dtype = dtype;
-      d.target_logits = c.target.data(), d.target_stride = vt;
-      d.draft_logits = c.draft.data(), d.draft_stride = vd;
-      d.divergence = kind;
-      d.top_k = top_k;
-      float cpu = -7.0f, gpu = -7.0f;
-      d.out = &cpu;
-      fsd::cpu::divergence(d);
-      d.out = &gpu;
-      CHECK(fsd::cuda::launch_divergence(d, nullptr) == cudaSuccess, "golden top-k: launch failed");
-      CHECK(std::isinf(cpu) && cpu > 0 && std::isinf(gpu) && gpu > 0,
-            "golden top-k divergence (%s layout, div %d, dtype %d, top_k %ld): cpu %.9g cuda %.9g, want inf",
-            rest_layout ? "rest" : "id", (int)kind, (int)dtype, (long)top_k, cpu, gpu);
-
-      c.num_draft.assign(1, 1);
-      c.tokens64.assign(1, 0);
-      bind_accept_problem(c, 1, 1, false, false);
-      fsd::AcceptProblem& p = c.problem;
-      p.rule = fsd::Rule::FSD;
-      p.divergence = kind;
-      p.div_top_k = top_k;
-      p.threshold.scalar = 0.4f;
-      p.temperature.scalar = 0.0f;
-      p.div_temperature.scalar = 1.0f;
-      default_launch(0);
-      AcceptOutputs cpu_out, gpu_out;
-      const fsd::AcceptProblem q = run_on_cpu(c, cpu_out, gpu_out);
-      CHECK(launch_accept_on(q, 0xA5), "golden top-k: launch failed");
-      const float a = cpu_out.divergences[0], g = gpu_out.divergences[0];
-      CHECK(std::isinf(a) && a > 0 && std::isinf(g) && g > 0,
-            "golden top-k accept (%s layout, div %d, dtype %d, top_k %ld): D cpu %.9g cuda %.9g, want inf",
-            rest_layout ? "rest" : "id", (int)kind, (int)dtype, (long)top_k, a, g);
+    for (const fsd::Divergence kind : {fsd::Divergence::RKL, fsd::Divergence::MKL}) {
+      const double want = kind == fsd::Divergence::RKL ? rkl : mkl;
+      const GoldenDivergences g = golden_divergences(v, v, target, draft, dtype, kind, 1);
+      for (const float got : {g.op_cpu, g.op_cuda, g.accept_cpu, g.accept_cuda})
+        CHECK(std::fabs(got - want) <= 1e-5 * want,
+              "golden tiny rest (div %d, dtype %d): divergence cpu %.9g cuda %.9g, accept cpu %.9g cuda %.9g, want %.9g",
+              (int)kind, (int)dtype, g.op_cpu, g.op_cuda, g.accept_cpu, g.accept_cuda, want);
     }
 }
 
@@ -859,6 +903,7 @@ int main(int argc, char** argv) {
   }
   compare_uniforms();
   check_below_float_range();
+  check_tiny_rest_log();
   Tally sample_separated, sample_control;
   compare_sample_paths(rng, sample_separated, sample_control);
   std::printf("sample, well-separated on both paths: %ld of %ld rows differ; negative control (CUDA seed + 1): %ld "
