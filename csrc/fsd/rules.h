@@ -37,8 +37,9 @@ FSD_INLINE F floored_prob_above_zero(F p) {  // floored_prob where lp > log_zero
 // tiny_rest_cases: RKL 26.75, where a sum floored at kFloorProb gave 3.65 and an unfloored one +inf).
 constexpr double kExactRestBelow = 1e-20;
 
-// A log-sum-exp added up one log-probability at a time: log(sum) = max + log(sum_of_scaled).
-// Only logs above kLogZeroInDouble count (their exp is > 0 in float64, as in the reference).
+// A log-sum-exp added up one log-probability at a time: log(sum) = max + log(sum_of_scaled) (CUDA's
+// rescan of a rest below kExactRestBelow, exact_tiny_rests). Only logs above kLogZeroInDouble count
+// (their exp is > 0 in float64, as in the reference).
 template <typename F>
 struct LogMass {
   F max = -F(HUGE_VAL);  // the largest log added (-inf: none)

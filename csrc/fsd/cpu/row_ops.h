@@ -165,6 +165,17 @@ auto kept_exp(const T* row, const Dist& d) {
   };
 }
 
+// exp(s_j - s_top) over kept ids, for s_top >= every kept s_j: kept_exp relative to a smaller
+// maximum, so a range whose exp(s_j) are all below float's range still sums (exact_log_rest).
+template <typename T>
+auto kept_exp_below(const T* row, const Dist& d, float s_top) {
+  return [row, d, s_top](int64_t j) FSD_INLINE_LAMBDA {
+    const float s = d.scaled(load_logit(row, j));
+    const float e = exp_nonpositive(s - s_top);
+    return s >= d.cut ? e : 0.0f;
+  };
+}
+
 // sum over j with s_j >= cut of exp(s_j). With `exps`, also stores each exp(s_j) (0 below the
 // cut) in exps[0, n): the divergence pass that follows then takes p_j from exps[j] instead of
 // recomputing two exponentials per id, most of its arithmetic.
@@ -661,15 +672,34 @@ std::vector<int64_t> top_ids(const T* zt, int64_t vt, const Dist& p, int64_t k, 
   return top;
 }
 
-// log of the rest bucket's mass in float64: a log-sum-exp over the ids of [0, n) outside `top`
-// (sorted). For a rest whose float sum fell below kExactRestBelow (rules.h), so it is rare.
+// log of the rest bucket's mass: the ids of [0, n) outside `top` (sorted), for a rest whose float
+// sum fell below kExactRestBelow (rules.h). The sum again, relative to the rest's own largest
+// kept s_j (vectorised gap sums, as the first), so ids below float's range count and its log is
+// right to float rounding; -inf where the rest keeps nothing.
 template <typename T>
 double exact_log_rest(const T* row, int64_t n, const Dist& d, const std::vector<int64_t>& top) {
-  LogMass<double> mass;
-  const auto exp_fn = [](double x) { return std::exp(x); };
-  for (int64_t j = 0; j < n; ++j)
-    if (!std::binary_search(top.begin(), top.end(), j)) mass.add(d.log_prob(load_logit(row, j), j), exp_fn);
-  return mass.log_value();
+  float s_top = -kInf;
+  int64_t begin = 0;
+  auto each_gap = [&](auto&& f) {
+    begin = 0;
+    for (const int64_t id : top) {
+      f(begin, std::min(id, n));
+      begin = id + 1;
+    }
+    f(begin, n);
+  };
+  each_gap([&](int64_t from, int64_t to) {
+    for (int64_t j = from; j < to; ++j) {
+      const float s = d.scaled(load_logit(row, j));
+      s_top = s >= d.cut && s > s_top ? s : s_top;
+    }
+  });
+  if (!(s_top > -kInf)) return -(double)kInf;
+  const auto weight = kept_exp_below(row, d, s_top);
+  double sum = 0.0;
+  each_gap([&](int64_t from, int64_t to) { sum += sum_range<SumOf::Weights>(from, to, weight); });
+  const double log_rest = (double)s_top - std::log(d.sum) + std::log(sum);
+  return log_rest > kLogZeroInDouble ? log_rest : -(double)kInf;  // 0 in float64 too
 }
 
 // div_top_k: the divergence over k+1 buckets, the k most probable ids under p (top_ids) and one
