@@ -17,6 +17,7 @@ csrc/fsd/philox.h, implemented here too so the reference needs no compiled code.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 import torch
@@ -26,6 +27,10 @@ from .types import (DIVERGENCES, PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_SAMPLE, 
 
 RESIDUAL_MASS_EPS = 1e-6  # csrc/fsd/common.h: kResidualMassEps
 FLOAT32_MAX = torch.finfo(torch.float32).max  # +inf logits count as the largest finite float
+# csrc/fsd/rules.h: kZeroByConstructionBelow. A log-probability below it is 0 by construction
+# (-inf), like a filtered token's: the limit a +inf logit stands for, whose row's other ids sit
+# near -3.4e38, and the same in float and float64.
+ZERO_BY_CONSTRUCTION_BELOW = -(2.0 ** 67) * math.log(2.0)  # about -1.02e20
 
 RowArg = Union[float, torch.Tensor]
 
@@ -116,7 +121,10 @@ def sampling_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_k=Non
 
 
 def divergence_from_logprobs(logp: torch.Tensor, logq: torch.Tensor, kind: str) -> torch.Tensor:
-    """D(p || q) over the last dim from exact log-probabilities (-inf = probability 0)."""
+    """D(p || q) over the last dim from exact log-probabilities (-inf, or below
+    ZERO_BY_CONSTRUCTION_BELOW, = probability 0 by construction)."""
+    logp = logp.masked_fill(logp < ZERO_BY_CONSTRUCTION_BELOW, float("-inf"))
+    logq = logq.masked_fill(logq < ZERO_BY_CONSTRUCTION_BELOW, float("-inf"))
     p, q = logp.exp(), logq.exp()
     zero = torch.zeros((), dtype=p.dtype)
 

@@ -154,3 +154,41 @@ def below_float_range_cases(dtype=torch.float32):
         ("a rest bucket past the draft vocabulary", rest.to(dtype), torch.zeros(2, 1, 3, dtype=dtype),
          {None: {"kl", "mkl"}, 3: {"kl", "mkl"}}),
     ]
+
+
+def astronomical_gap_cases(dtype=torch.float32):
+    """(name, target [B, 2, V], draft [B, 1, V], temperature, kinds that are +inf) where a log-probability
+    falls below about -1.02e20, which counts as 0 by construction (rules.h kZeroByConstructionBelow), as a
+    filtered token does. Above all a +inf logit (counted as FLT_MAX): the row's other ids sit near
+    -3.4e38. Before the rule the kernels and the reference disagreed here: CPU RKL 35.41 and MKL
+    3523.4 for the reference's 1.386 and 3506.4 on the first case (float16, seed 113 of
+    test_cuda_sim), CUDA +inf (its log2 units overflow); in float64 a finite gap stays finite.
+    The last two cases sit either side of the bound: a gap of 1e19 stays a (huge) finite log."""
+    inf = float("inf")
+    seed_113_target = [inf, -inf, -5.3e-05, -0.00256, -inf, inf, -0.000455, inf, 0.00187, -0.00106, -inf, -inf,
+                       -inf, inf, -0.000539, -0.000938]
+    seed_113_draft = [-385, -7988, -4372, 21184, -4828, 21472, -26352, 4232, -1342, 2980, 5144, 14112, -20064,
+                      4460, 18112]  # draft vocabulary 15
+    gen = torch.Generator().manual_seed(17)
+    plain = torch.randn(3, 2, 64, generator=gen)
+    plus_inf_target = plain.clone()
+    plus_inf_target[:, :, 3] = inf  # p one-hot at id 3 in the limit: q > 0 elsewhere makes RKL / MKL +inf
+    plus_inf_draft = plain[:, :1].clone()
+    plus_inf_draft[:, :, 7] = inf  # q one-hot at id 7: p > 0 elsewhere makes KL / MKL +inf
+
+    def far(gap):  # id 5's target logit `gap` below the others, which are near 0
+        row = plain.clone()
+        row[:, :, 5] = -gap
+        return row
+
+    cases = [("seed 113: +inf target logits against a float16 draft",
+              torch.tensor(seed_113_target).expand(2, 2, 16), torch.tensor(seed_113_draft).expand(2, 1, 15).float(),
+              (0.5, 1.0, 2.0), {"rkl", "mkl"}),
+             ("a +inf target logit", plus_inf_target, plain[:, :1], (0.5, 1.0, 2.0), {"rkl", "mkl"}),
+             ("a +inf draft logit", plain, plus_inf_draft, (0.5, 1.0, 2.0), {"kl", "mkl"}),
+             ("a target logit 1e21 below", far(1e21), plain[:, :1], (1.0, 2.0), {"rkl", "mkl"})]
+    if dtype == torch.float32:  # bfloat16 rounds 1e19 to 9.98e18: still finite at temperature 1
+        cases.append(("a target logit 1e19 below, temperature 1: finite", far(1e19), plain[:, :1], (1.0,), set()))
+        cases.append(("a target logit 1e19 below, temperature 0.05: 0", far(1e19), plain[:, :1], (0.05,),
+                      {"rkl", "mkl"}))
+    return [(name, t.to(dtype), d.to(dtype), taus, infinite) for name, t, d, taus, infinite in cases]

@@ -7,7 +7,8 @@ import torch
 
 import fsd_ext
 from fsd_ext import reference
-from helpers import (FILTER_ROW_SHAPES, agreement_up_to_ties, assert_same_result, below_float_range_cases, both,
+from helpers import (FILTER_ROW_SHAPES, agreement_up_to_ties, assert_same_result, astronomical_gap_cases,
+                     below_float_range_cases, both,
                      filter_rows, float_weight_draws, make_problem, rows_agree, tiny_rest_cases)
 
 RULES = ["greedy", "sd", "fsd", "fsd_strict"]
@@ -147,6 +148,25 @@ def test_probabilities_below_float_range_against_zero(divergence, div_top_k, dty
         kernel, ref = both(target, draft, torch.zeros(2, 1, dtype=torch.long), rule="fsd", divergence=divergence,
                            threshold=0.4, div_top_k=div_top_k, temperature=0.0, seed=5, return_divergence=True)
         assert_same_result(kernel, ref)
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("divergence", DIVERGENCES)
+def test_log_below_bound_is_zero_by_construction(divergence, dtype):
+    """A log-probability below about -1.02e20 (a +inf logit's neighbours, or a gap as wide) is 0 by
+    construction in both kernels and the reference, at every temperature that puts it there; a
+    gap of 1e19 at temperature 1 stays finite. By fsd_ext.divergence and by accept."""
+    for name, target, draft, temperatures, infinite in astronomical_gap_cases(dtype):
+        for temperature in temperatures:
+            label = f"{name}, temperature {temperature}"
+            d = fsd_ext.divergence(target[:, 0], draft[:, 0], kind=divergence, temperature=temperature)
+            r = reference.divergence(target[:, 0], draft[:, 0], kind=divergence, temperature=temperature)
+            torch.testing.assert_close(d, r, rtol=1e-5, atol=1e-6, msg=label)
+            assert bool(d.isinf().all()) == (divergence in infinite) and not d.isnan().any(), (label, d)
+            tokens = torch.zeros(target.shape[0], 1, dtype=torch.long)
+            kernel, ref = both(target, draft, tokens, rule="fsd", divergence=divergence, threshold=0.4,
+                               div_temperature=temperature, temperature=1.0, seed=5, return_divergence=True)
+            assert_same_result(kernel, ref)
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("divergence", DIVERGENCES)

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from fsd_ext import reference
-from helpers import (FILTER_ROW_SHAPES, agreement_up_to_ties, assert_same_result, below_float_range_cases, filter_rows,
-                     float_weight_draws, rows_agree, tiny_rest_cases)
+from helpers import (FILTER_ROW_SHAPES, agreement_up_to_ties, assert_same_result, astronomical_gap_cases,
+                     below_float_range_cases, filter_rows, float_weight_draws, rows_agree, tiny_rest_cases)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -318,6 +318,26 @@ def test_probabilities_below_float_range_against_zero(fops, dtype):
                           return_divergence=True)
                 assert_same_result(run_accept(fops, "cuda", target, draft, tokens, **kw),
                                    reference.accept(target, draft, tokens, **kw))
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_log_below_bound_is_zero_by_construction(fops, dtype):
+    """helpers.astronomical_gap_cases on the GPU: a log-probability below about -1.02e20 is 0 by construction
+    (log2 units on the plain path, nats on the general one), by divergence and by accept."""
+    for name, target, draft, temperatures, infinite in astronomical_gap_cases(dtype):
+        tokens = torch.zeros(target.shape[0], 1, dtype=torch.long)
+        for kind in DIVERGENCES:
+            for temperature in temperatures:
+                label = f"{name} {kind} temperature {temperature}"
+                got = fops.divergence(target[:, 0].cuda(), draft[:, 0].cuda(), kind, temperature, None).cpu()
+                want = reference.divergence(target[:, 0], draft[:, 0], kind, temperature, None)
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=label)
+                assert bool(got.isinf().all()) == (kind in infinite) and not got.isnan().any(), (label, got)
+                for sampling_temperature in (temperature, 0.0):  # the plain path, then the general one
+                    kw = dict(rule="fsd", divergence=kind, threshold=0.4, div_temperature=temperature,
+                              temperature=sampling_temperature, seed=5, return_divergence=True)
+                    assert_same_result(run_accept(fops, "cuda", target, draft, tokens, **kw),
+                                       reference.accept(target, draft, tokens, **kw))
+
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 def test_rest_bucket_below_float_range_keeps_its_log(fops, dtype):

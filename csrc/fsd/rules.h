@@ -13,19 +13,23 @@ namespace fsd {
 // in float but not in float64, the precision of fsd_ext/reference.py.
 constexpr double kLogZeroInDouble = -745.13;
 
-// The least a probability that is > 0 in float64 counts as (a normal float): one that flushed to
-// 0 in float still gives +inf against a 0 (log -inf), and elsewhere the floor adds under 1e-30.
-constexpr float kFloorProb = 1e-37f;
+// Below this log-probability (nats) a probability counts as 0 by construction (log -inf), as a
+// filtered token or a -inf logit is: fsd_ext/reference.py does the same. Only gaps no model produces
+// reach it, above all a +inf logit (counted as FLT_MAX), whose row's other ids sit near -3.4e38: 0
+// is the limit that +inf stands for. Without the rule such a finite log is -inf in float wherever
+// the temperature scales it past float's range (and in CUDA's log2 units) but finite in float64,
+// and a term q (lq - lp) with q > 0 is then +inf in one precision and ~1e-87 in the other. Above
+// the bound, a p that flushed to 0 in float leaves out at most e^-87 x 1e20 (2e-18) of a term. The
+// bound is -2^67 in log2 units (about -1.02e20 nats), so that CUDA's plain path can find it by
+// overflow (streaming.cuh, js_mkl_add).
+constexpr double kZeroByConstructionBelow = -0x1p67 * 0.69314718055994530942;
 
-// p as the divergence counts it: at least kFloorProb where its log lp is above `log_zero`
-// (kLogZeroInDouble in lp's unit), 0 below.
+// The least a midpoint m = (p + q) / 2 that is > 0 in float64 counts as (a normal float) in mkl, so
+// that a flushed m is not log 0: the floor adds at most 1e-37 x 2e20 to a term whose logs are above
+// kZeroByConstructionBelow.
+constexpr float kFloorProb = 1e-37f;
 template <typename F>
-FSD_INLINE F floored_prob(F p, F lp, F log_zero = F(kLogZeroInDouble)) {
-  const F tiny = F(kFloorProb);
-  return lp > log_zero ? (p > tiny ? p : tiny) : F(0);
-}
-template <typename F>
-FSD_INLINE F floored_prob_above_zero(F p) {  // floored_prob where lp > log_zero is known
+FSD_INLINE F floored_prob(F p) {
   const F tiny = F(kFloorProb);
   return p > tiny ? p : tiny;
 }
@@ -69,26 +73,30 @@ struct LogMass {
 };
 
 // One vocabulary entry's contribution to D(p || q), from probabilities and their exact logs
-// (log-space, so an underflowed p still has a finite lp; lp = -inf exactly when p is 0 by
-// construction, e.g. a filtered token, a -inf logit or a target id beyond the draft vocabulary).
-// 0 log 0 = 0. One side 0 by construction against the other > 0 in float64 gives +inf for kl
-// (p > 0 = q), rkl (q > 0 = p) and mkl (either way), also where that other side's p or q has
+// (log-space, so an underflowed p still has a finite lp; lp = -inf, or below `zero_below`, when p
+// is 0 by construction, e.g. a filtered token, a -inf logit or a target id beyond the draft
+// vocabulary). 0 log 0 = 0. One side 0 by construction against the other > 0 in float64 gives +inf
+// for kl (p > 0 = q), rkl (q > 0 = p) and mkl (either way), also where that other side's p or q has
 // flushed to 0 in float: e^-200 past the draft vocabulary makes KL infinite, as in the reference.
-// `log_fn` is the backend's log (a vectorisable one on the CPU, logf on CUDA); `log_zero` is
-// kLogZeroInDouble in the unit of lp and lq (CUDA's plain path passes log2 ones).
+// `log_fn` is the backend's log (a vectorisable one on the CPU, logf on CUDA); `log_zero` and
+// `zero_below` are kLogZeroInDouble and kZeroByConstructionBelow in the unit of lp and lq (CUDA's
+// plain path passes log2 ones).
 template <Divergence D, typename F, typename LogFn>
-FSD_INLINE F divergence_term(F p, F lp, F q, F lq, LogFn log_fn, F log_zero = F(kLogZeroInDouble)) {
-  const F half = F(0.5), zero = F(0);
-  // KL and RKL test lp (lq) itself, not the floored p > 0: the same term, one select fewer.
-  if (D == Divergence::KL) return lp > log_zero ? floored_prob_above_zero(p) * (lp - lq) : zero;
-  if (D == Divergence::RKL) return lq > log_zero ? floored_prob_above_zero(q) * (lq - lp) : zero;
+FSD_INLINE F divergence_term(F p, F lp, F q, F lq, LogFn log_fn, F log_zero = F(kLogZeroInDouble),
+                             F zero_below = F(kZeroByConstructionBelow)) {
+  const F half = F(0.5), zero = F(0), inf = F(HUGE_VAL);
+  // p > 0 in float64 (lp > log_zero) against q = 0 by construction weighs the term by +inf, even
+  // where p flushed to 0 in float; lp - lq > 0 there, so the product is +inf.
+  if (D == Divergence::KL) return lp > log_zero ? (lq > zero_below ? p : inf) * (lp - lq) : zero;
+  if (D == Divergence::RKL) return lq > log_zero ? (lp > zero_below ? q : inf) * (lq - lp) : zero;
   if (D == Divergence::TV) return half * (p > q ? p - q : q - p);
   if (D == Divergence::MKL) {  // 0.5 KL(m || p) + 0.5 KL(m || q)
-    // m is > 0 in float64 where p or q is: one floor, by the larger log, instead of two.
+    // m > 0 in float64 where p or q is; +inf where the other is 0 by construction (lm - that log
+    // is +inf, the other difference is at least -ln 2).
     if (!((lp > lq ? lp : lq) > log_zero)) return zero;
-    const F m = floored_prob_above_zero(half * (p + q));
+    const F m = floored_prob(half * (p + q));
     const F lm = log_fn(m);
-    return half * m * ((lm - lp) + (lm - lq));
+    return half * ((lp < lq ? lp : lq) > zero_below ? m : inf) * ((lm - lp) + (lm - lq));
   }
   const F m = half * (p + q);
   // m can underflow to 0 while p or q is a subnormal > 0; such a term is below the smallest

@@ -10,10 +10,9 @@
 // works in log2 units: a subtraction and an FFMA per log-probability, one SFU exponential per
 // probability (kl, rkl, tv); js / mkl take the larger probability and the ratio of the two from the
 // SFU and add one SFU logarithm of a value in [1, 2] (no logarithm of a probability: js_mkl_add).
-// (One difference from the float64 reference at the edge of the float range: with a +inf logit,
-// which counts as FLT_MAX, the other ids' log2 p overflows to -inf, so rkl / mkl come out +inf where
-// the reference's double sum stays near 3e38; the general path did the same below temperature 1.
-// Either is far above any threshold.)
+// (At the edge of the float range, a +inf logit, which counts as FLT_MAX, sends the other ids'
+// log2 p to -inf or past -2^67: 0 by construction either way, as rules.h's
+// kZeroByConstructionBelow makes it in every kernel and the reference.)
 //
 // Host-compilable (FSD_INLINE; the SFU instructions fall back to libm off the GPU), so that
 // csrc/fsd/tests/test_streaming.cu checks this arithmetic against double-precision sums without a
@@ -34,6 +33,7 @@ constexpr float kInf = __builtin_huge_valf();
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr double kLn2 = 0.69314718055994530942;
 constexpr float kLog2ZeroInDouble = (float)(kLogZeroInDouble / kLn2);  // rules.h, in log2 units
+constexpr float kLog2ZeroByConstructionBelow = (float)(kZeroByConstructionBelow / kLn2);  // likewise
 
 FSD_INLINE float clamp_logit(float x) { return x == kInf ? FLT_MAX : x; }
 
@@ -261,9 +261,14 @@ FSD_INLINE float js_mkl_add(float lp, float lq, float& residual_term, Log2Fn log
   const float L = log2_fn(1.0f + r);
   // (small d: 0 when small is 0, also where d is -inf.)
   if (D == Divergence::JS) return both * (1.0f - L) + small * fmaxf(d, -FLT_MAX);
-  // mkl: 0 where both are 0 in float64; otherwise p + q floored as divergence_term floors m, so
-  // exactly one probability 0 (d = -inf) gives +inf, also where the other flushed to 0 here.
-  return hi > kLog2ZeroInDouble ? floored_prob_above_zero(both) * (L - 1.0f - 0.5f * d) : 0.0f;
+  // mkl: 0 where both are 0 in float64; otherwise p + q floored as divergence_term floors m, and
+  // +inf where one probability is 0 by construction, also where the other flushed to 0 here: d =
+  // -inf, or d below the bound, -2^67 in log2 units, where d 2^61 overflows to -inf (one multiply
+  // where a compare and a select cost two; exact elsewhere, and hi is within 1075 of 0, far below
+  // the bound's float rounding).
+  static_assert(kLog2ZeroByConstructionBelow == -0x1p67f, "d * 2^61 overflows exactly below the bound");
+  const float d_or_minus_inf = d * 0x1p61f;
+  return hi > kLog2ZeroInDouble ? floored_prob(both) * fmaf(d_or_minus_inf, -0x1p-62f, L - 1.0f) : 0.0f;
 }
 
 // divergence_term's logarithm for kl, rkl and tv, which never call it.
@@ -286,7 +291,7 @@ FSD_INLINE void plain_add(const PlainPair& pl, float zt, float zd, float& div, f
     return;
   }
   const float pp = fast_exp2(lp), qq = fast_exp2(lq);
-  if (kDiv) div += divergence_term<D, float>(pp, lp, qq, lq, NoLog{}, kLog2ZeroInDouble);
+  if (kDiv) div += divergence_term<D, float>(pp, lp, qq, lq, NoLog{}, kLog2ZeroInDouble, kLog2ZeroByConstructionBelow);
   if (kResidual) residual += pp > qq ? pp - qq : 0.0f;
 }
 

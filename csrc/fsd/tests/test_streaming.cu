@@ -311,6 +311,33 @@ void test_js_mkl_edges() {
   EXPECT(js_mkl_add<Divergence::MKL>(-1100.0f, -INFINITY, residual) == 0.0f && residual == 0.0f);
   EXPECT(js_mkl_add<Divergence::JS>(-300.0f, -INFINITY, residual) == 0.0f);
   EXPECT(js_mkl_add<Divergence::JS>(-2.0f, -2.0f, residual) == 0.0f && residual == 0.0f);  // p == q
+  // A finite log2 below kLog2ZeroByConstructionBelow (-2^67, -1.48e20) is 0 by construction: mkl
+  // +inf, as for -inf; just above it the term is finite (the other probability's mass times |d| / 2).
+  EXPECT(std::isinf(js_mkl_add<Divergence::MKL>(-1.0f, -2e20f, residual)) && residual == 0.5f);
+  EXPECT(std::isinf(js_mkl_add<Divergence::MKL>(-2e20f, -300.0f, residual)) && residual == 0.0f);
+  EXPECT(std::isfinite(js_mkl_add<Divergence::MKL>(-1.0f, -1e20f, residual)) && residual == 0.5f);
+  EXPECT(js_mkl_add<Divergence::JS>(-1.0f, -2e20f, residual) == 0.5f);
+}
+
+// divergence_term (rules.h) against a log below kZeroByConstructionBelow (about -1.02e20 nats): kl, rkl and
+// mkl +inf as for a -inf log, also where the weighing probability flushed to 0 in float (e^-300);
+// above the bound a finite product, and 0 where that probability flushed.
+struct NaturalLog {
+  FSD_INLINE float operator()(float x) const { return ::logf(x); }
+};
+void test_zero_by_construction_terms() {
+  const NoLog none;
+  const auto kl = [&](float p, float lp, float lq) {
+    return fsd::divergence_term<Divergence::KL, float>(p, lp, 0.0f, lq, none);
+  };
+  EXPECT(std::isinf(kl(0.5f, std::log(0.5f), -2e20f)) && std::isinf(kl(0.0f, -300.0f, -2e20f)));
+  EXPECT(kl(0.5f, std::log(0.5f), -1e19f) == 0.5f * (std::log(0.5f) + 1e19f));
+  EXPECT(kl(0.0f, -300.0f, -1e19f) == 0.0f && kl(0.0f, -800.0f, -2e20f) == 0.0f);
+  EXPECT(std::isinf(fsd::divergence_term<Divergence::RKL, float>(0.0f, -2e20f, 0.25f, std::log(0.25f), none)));
+  const auto mkl = [](float lp) {
+    return fsd::divergence_term<Divergence::MKL, float>(0.0f, lp, 0.25f, std::log(0.25f), NaturalLog{});
+  };
+  EXPECT(std::isinf(mkl(-2e20f)) && std::isfinite(mkl(-1e19f)));
 }
 
 void test_js_mkl_log_error() {
@@ -349,6 +376,7 @@ int main() {
   test_statistics();
   test_pass_two();
   test_js_mkl_edges();
+  test_zero_by_construction_terms();
   test_js_mkl_log_error();
   return fsd_test::verdict("test_streaming");
 }

@@ -455,6 +455,41 @@ void check_tiny_rest_log() {
     }
 }
 
+// A log-probability below rules.h's kZeroByConstructionBelow (about -1.02e20) is 0 by construction in both
+// kernels: a +inf target logit (FLT_MAX) leaves the other ids near -3.4e38, so RKL and MKL are +inf
+// against a draft with mass there, and KL is -log q of the +inf id. (Before, the CPU gave RKL 35.41
+// on seed 113's row and CUDA +inf.) A target logit 1e19 below the others stays a finite log:
+// RKL then holds q_5 (1e19 + ...), computed here in double.
+void check_zero_by_construction() {
+  const int64_t v = 16;
+  std::vector<float> target(2 * v, 0.0f), draft(v);
+  for (int64_t j = 0; j < v; ++j) draft[j] = 0.25f * (float)(j % 5) - 0.5f;
+  double log_sum_q = 0.0;
+  for (const float z : draft) log_sum_q += std::exp((double)z);
+  log_sum_q = std::log(log_sum_q);
+  target[3] = target[v + 3] = INFINITY;
+  for (const fsd::Divergence kind : {fsd::Divergence::KL, fsd::Divergence::RKL, fsd::Divergence::MKL}) {
+    const double want = kind == fsd::Divergence::KL ? log_sum_q - draft[3] : INFINITY;
+    const GoldenDivergences g = golden_divergences(v, v, target, draft, DType::Float32, kind, 0);
+    for (const float got : {g.op_cpu, g.op_cuda, g.accept_cpu, g.accept_cuda})
+      CHECK(std::isinf(want) ? std::isinf(got) : std::fabs(got - want) <= 1e-5 * want,
+            "golden +inf logit (div %d): divergence cpu %.9g cuda %.9g, accept cpu %.9g cuda %.9g, want %.9g",
+            (int)kind, g.op_cpu, g.op_cuda, g.accept_cpu, g.accept_cuda, want);
+  }
+  target[3] = target[v + 3] = 0.0f;
+  target[5] = target[v + 5] = -1e19f;
+  double log_sum_p = std::log((double)(v - 1) + std::exp(-1e19)), rkl = 0.0;
+  for (int64_t j = 0; j < v; ++j) {
+    const double lp = (double)target[j] - log_sum_p, lq = (double)draft[j] - log_sum_q;
+    rkl += std::exp(lq) * (lq - lp);
+  }
+  const GoldenDivergences g = golden_divergences(v, v, target, draft, DType::Float32, fsd::Divergence::RKL, 0);
+  for (const float got : {g.op_cpu, g.op_cuda, g.accept_cpu, g.accept_cuda})
+    CHECK(std::fabs(got - rkl) <= 1e-5 * rkl,
+          "golden logit 1e19 below: rkl cpu %.9g cuda %.9g, accept cpu %.9g cuda %.9g, want %.9g", g.op_cpu,
+          g.op_cuda, g.accept_cpu, g.accept_cuda, rkl);
+}
+
 Tally compare_sample(Rng& rng, int n) {
   SampleCase c;
   random_sample_case(rng, c, 1, 3, 1, 3, kLargeVocabs, 0.5);
@@ -904,6 +939,7 @@ int main(int argc, char** argv) {
   compare_uniforms();
   check_below_float_range();
   check_tiny_rest_log();
+  check_zero_by_construction();
   Tally sample_separated, sample_control;
   compare_sample_paths(rng, sample_separated, sample_control);
   std::printf("sample, well-separated on both paths: %ld of %ld rows differ; negative control (CUDA seed + 1): %ld "
