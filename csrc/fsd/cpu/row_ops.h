@@ -672,6 +672,17 @@ std::vector<int64_t> top_ids(const T* zt, int64_t vt, const Dist& p, int64_t k, 
   return top;
 }
 
+// Calls f(from, to) for each gap of [0, n) between the ids of `top` (sorted): div_top_k's rest.
+template <typename F>
+void for_each_gap(const std::vector<int64_t>& top, int64_t n, F&& f) {
+  int64_t begin = 0;
+  for (const int64_t id : top) {
+    f(begin, std::min(id, n));
+    begin = id + 1;
+  }
+  f(begin, n);
+}
+
 // log of the rest bucket's mass: the ids of [0, n) outside `top` (sorted), for a rest whose float
 // sum fell below kExactRestBelow (rules.h). The sum again, relative to the rest's own largest
 // kept s_j (vectorised gap sums, as the first), so ids below float's range count and its log is
@@ -679,16 +690,7 @@ std::vector<int64_t> top_ids(const T* zt, int64_t vt, const Dist& p, int64_t k, 
 template <typename T>
 double exact_log_rest(const T* row, int64_t n, const Dist& d, const std::vector<int64_t>& top) {
   float s_top = -kInf;
-  int64_t begin = 0;
-  auto each_gap = [&](auto&& f) {
-    begin = 0;
-    for (const int64_t id : top) {
-      f(begin, std::min(id, n));
-      begin = id + 1;
-    }
-    f(begin, n);
-  };
-  each_gap([&](int64_t from, int64_t to) {
+  for_each_gap(top, n, [&](int64_t from, int64_t to) {
     for (int64_t j = from; j < to; ++j) {
       const float s = d.scaled(load_logit(row, j));
       s_top = s >= d.cut && s > s_top ? s : s_top;
@@ -697,7 +699,7 @@ double exact_log_rest(const T* row, int64_t n, const Dist& d, const std::vector<
   if (!(s_top > -kInf)) return -(double)kInf;
   const auto weight = kept_exp_below(row, d, s_top);
   double sum = 0.0;
-  each_gap([&](int64_t from, int64_t to) { sum += sum_range<SumOf::Weights>(from, to, weight); });
+  for_each_gap(top, n, [&](int64_t from, int64_t to) { sum += sum_range<SumOf::Weights>(from, to, weight); });
   const double log_rest = (double)s_top - std::log(d.sum) + std::log(sum);
   return log_rest > kLogZeroInDouble ? log_rest : -(double)kInf;  // 0 in float64 too
 }
@@ -726,12 +728,8 @@ double divergence_bucketed(const T* zt, int64_t vt, const Dist& p, const T* zd, 
     }
     const auto weight = kept_exp(row, d);
     double rest = 0.0;
-    int64_t begin = 0;
-    for (const int64_t id : top) {
-      rest += sum_range<SumOf::Weights>(begin, std::min(id, n), weight);
-      begin = id + 1;
-    }
-    rest = (rest + sum_range<SumOf::Weights>(begin, n, weight)) / d.sum;
+    for_each_gap(top, n, [&](int64_t from, int64_t to) { rest += sum_range<SumOf::Weights>(from, to, weight); });
+    rest /= d.sum;
     if (rest >= kExactRestBelow) return {rest, std::log(rest)};
     const double log_rest = exact_log_rest(row, n, d, top);  // below float's range: its log matters
     return {std::exp(log_rest), log_rest};
