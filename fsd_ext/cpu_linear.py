@@ -49,6 +49,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import ops
+
 MAX_ROWS = 16  # the kernel's limit (kSkinnyMaxRows); prefill-sized inputs keep F.linear's GEMM
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _ORIGINAL = "_fsd_original_forward"
@@ -252,8 +254,8 @@ class QuantWeightLinear(torch.nn.Module):
         return dequantize_torch(self.codes, self.params, self.format, self.out_features)
 
 
-_QUANT_GROUP = {"q4": 32, "q8": 16, "q8g32": 32}
 _QUANT_FORMAT_ID = {"q4": 0, "q8": 1, "q8g32": 2}
+_QUANT_GROUP = {name: ops.QUANT_GROUP_SIZE[i] for name, i in _QUANT_FORMAT_ID.items()}
 
 
 def dequantize_torch(codes: torch.Tensor, params: torch.Tensor, format: str, out_features: int) -> torch.Tensor:
@@ -275,7 +277,6 @@ def dequantize_torch(codes: torch.Tensor, params: torch.Tensor, format: str, out
 def _native_op():
     """torch.ops.fsd_ext.skinny_linear, or None when the extension is not built (looked up once:
     this runs for every linear of every decoding forward)."""
-    from . import ops
     return torch.ops.fsd_ext.skinny_linear if ops._IMPORT_ERROR is None else None
 
 

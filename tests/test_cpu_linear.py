@@ -133,13 +133,6 @@ def test_kernel_rejects_bad_arguments(x, weight, bias, match):
         torch.ops.fsd_ext.skinny_linear(x, weight, bias)
 
 
-@needs_ext
-def test_kernel_opcheck():
-    torch.library.opcheck(torch.ops.fsd_ext.skinny_linear.default,
-                          (torch.randn(3, 24), torch.randn(10, 24), torch.randn(10)),
-                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_static"))
-
-
 def test_non_contiguous_input_and_other_dtypes_fall_through():
     weight = torch.randn(32, 48)
     x = torch.randn(48, 3).t()  # [3, 48], not contiguous
