@@ -6,10 +6,20 @@
 # the torch-free step timer (benchmarks/accept_trace.cu) against these objects and, for sm_90, its
 # phase-tracing build (every kernel again with -DFSD_CUDA_TRACE), so neither can rot unnoticed.
 #
-#   scripts/check_cuda_compile.sh            # NVCC, FSD_CUDA_ARCHS ("80 90"), FSD_CUDA_CHECK_DIR override
+#   scripts/check_cuda_compile.sh [--no-tools]  # NVCC, FSD_CUDA_ARCHS ("80 90"), FSD_CUDA_CHECK_DIR,
+#                                               # FSD_CUDA_JOBS (parallel nvcc, default nproc)
+#   --no-tools: the kernels and host tests only, not the step timer and phase tracer (.ci/run;
+#               scripts/full_check.sh builds them).
 #
 # Exit status: 0 ok, 1 compile error, spills or a failed host test, 2 no nvcc.
 set -euo pipefail
+TOOLS=1
+for arg in "$@"; do
+  case "$arg" in
+    --no-tools) TOOLS=0 ;;
+    *) echo "check_cuda_compile: unknown argument $arg (usage: check_cuda_compile.sh [--no-tools])" >&2; exit 2 ;;
+  esac
+done
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 NVCC="${NVCC:-$(command -v nvcc || true)}"
@@ -31,23 +41,26 @@ shopt -s nullglob
 SOURCES=("$ROOT"/csrc/fsd/cuda/*.cu)
 if (( ${#SOURCES[@]} == 0 )); then echo "no CUDA sources" >&2; exit 1; fi
 
-# One nvcc per source (all architectures in one call), the sources in parallel.
-pids=()
-for src in "${SOURCES[@]}"; do
+# One nvcc per source (all architectures in one call), FSD_CUDA_JOBS sources at a time, the three
+# dtype instantiations (minutes each) first.
+JOBS="${FSD_CUDA_JOBS:-$(nproc)}"
+export NVCC ROOT OUT GENCODE_ARGS="${GENCODE[*]}"
+compile_one() {
+  local src="$1" name
   name="$(basename "$src" .cu)"
-  ( "$NVCC" -std=c++17 -O3 --expt-relaxed-constexpr -lineinfo -I"$ROOT/csrc" "${GENCODE[@]}" \
-      -Xptxas -v -Werror all-warnings -c "$src" -o "$OUT/$name.o" >"$OUT/$name.log" 2>&1 ) &
-  pids+=("$!")
-done
-status=0
-for i in "${!pids[@]}"; do
-  if ! wait "${pids[$i]}"; then
-    echo "== COMPILE ERROR: ${SOURCES[$i]}" >&2
-    cat "$OUT/$(basename "${SOURCES[$i]}" .cu).log" >&2
-    status=1
+  # shellcheck disable=SC2086  # (GENCODE_ARGS: a word list; xargs' shells cannot inherit arrays)
+  if ! "$NVCC" -std=c++17 -O3 --expt-relaxed-constexpr -lineinfo -I"$ROOT/csrc" $GENCODE_ARGS \
+      -Xptxas -v -Werror all-warnings -c "$src" -o "$OUT/$name.o" >"$OUT/$name.log" 2>&1; then
+    echo "== COMPILE ERROR: $src" >&2
+    cat "$OUT/$name.log" >&2
+    return 1
   fi
-done
-(( status == 0 )) || exit 1
+}
+export -f compile_one
+ORDERED=()
+for src in "${SOURCES[@]}"; do [[ "$src" == *accept_* ]] && ORDERED+=("$src"); done
+for src in "${SOURCES[@]}"; do [[ "$src" != *accept_* ]] && ORDERED+=("$src"); done
+printf '%s\0' "${ORDERED[@]}" | xargs -0 -n 1 -P "$JOBS" bash -c 'compile_one "$0"' || exit 1
 
 # Resource report. Main kernels (no spill allowed): everything except the uniforms helper, which
 # is reported too. Any kernel with spill stores fails.
@@ -105,6 +118,8 @@ for test_source in "$ROOT"/csrc/fsd/tests/*.cu; do
   "$NVCC" -std=c++17 -O2 --expt-relaxed-constexpr -I"$ROOT/csrc" -Werror all-warnings "$test_source" -o "$OUT/$name"
   "$OUT/$name"
 done
+
+(( TOOLS )) || exit 0
 
 # The torch-free step timer links against the objects above (all architectures); the phase tracer
 # recompiles the kernels with -DFSD_CUDA_TRACE (compute_90 PTX only: the tracing points are the same

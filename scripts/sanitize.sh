@@ -6,10 +6,21 @@
 #      with libasan preloaded.
 # Fails (exit 1) on any sanitizer report or test failure.
 #
+#   scripts/sanitize.sh           # everything (scripts/full_check.sh)
+#   scripts/sanitize.sh --slice   # CI's slice: the C++ unit tests but not the CUDA simulation, and
+#                                 # the Python slice at 150 fuzz examples
+#
 # Environment: FSD_SANITIZE_DIR (work dir, default build/sanitize), FSD_SANITIZE_JOBS (default 2),
-# FSD_SANITIZE_FUZZ_EXAMPLES (fuzz examples of the Python slice, default 600), FSD_SANITIZE_PARTS
-# ("core python" by default; name one to run only that part).
+# FSD_SANITIZE_FUZZ_EXAMPLES (fuzz examples of the Python slice, default 600, --slice 150),
+# FSD_SANITIZE_PARTS ("core python" by default; name one to run only that part).
 set -euo pipefail
+SLICE_ONLY=0
+for arg in "$@"; do
+  case "$arg" in
+    --slice) SLICE_ONLY=1 ;;
+    *) echo "sanitize.sh: unknown argument $arg (usage: sanitize.sh [--slice])" >&2; exit 2 ;;
+  esac
+done
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 WORK=${FSD_SANITIZE_DIR:-$ROOT/build/sanitize}
@@ -42,11 +53,20 @@ PARTS=${FSD_SANITIZE_PARTS:-core python}
 if [[ " $PARTS " == *" core "* ]]; then
 step "core: cmake -DFSD_SANITIZE=ON"
 cmake -S "$ROOT" -B "$WORK/core" -DFSD_SANITIZE=ON -DFSD_CUDA=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo > "$WORK/cmake.log"
-cmake --build "$WORK/core" -j "$JOBS" > "$WORK/build_core.log" 2>&1 || { tail -50 "$WORK/build_core.log"; exit 1; }
+CTEST_ARGS=()
+if (( SLICE_ONLY )); then
+  # (the C++ unit tests, not test_cuda_sim: its fixed checks alone take minutes under ASan)
+  UNIT_TESTS=(test_core test_sanitize_core test_quant_gemm)
+  cmake --build "$WORK/core" -j "$JOBS" --target "${UNIT_TESTS[@]}" > "$WORK/build_core.log" 2>&1 \
+    || { tail -50 "$WORK/build_core.log"; exit 1; }
+  CTEST_ARGS=(-R "^($(IFS='|'; echo "${UNIT_TESTS[*]}"))\$")
+else
+  cmake --build "$WORK/core" -j "$JOBS" > "$WORK/build_core.log" 2>&1 || { tail -50 "$WORK/build_core.log"; exit 1; }
+fi
 step "core: ctest"
 # (test_cuda_sim runs its full default campaign here too: its fibers tell ASan of every stack
 # switch instead of going through swapcontext, which ASan slowed down ~15x; FSD_SIM_CASES may cut it.)
-if ! ctest --test-dir "$WORK/core" --output-on-failure -j "$JOBS" > "$WORK/ctest.log" 2>&1; then
+if ! ctest --test-dir "$WORK/core" --output-on-failure -j "$JOBS" "${CTEST_ARGS[@]}" > "$WORK/ctest.log" 2>&1; then
   cat "$WORK/ctest.log"; fail_on_reports "$WORK/ctest.log"; exit 1
 fi
 fail_on_reports "$WORK/ctest.log"
@@ -82,7 +102,7 @@ step "python slice under ASan/UBSan: ${SLICE[*]}"
 set +e
 (cd "$WORK/py" && \
   PYTHONPATH="$WORK/py" LD_PRELOAD="$LIBASAN $LIBUBSAN" \
-  FSD_FUZZ_EXAMPLES="${FSD_SANITIZE_FUZZ_EXAMPLES:-600}" FSD_MEMORY_REPEATS=0 \
+  FSD_FUZZ_EXAMPLES="${FSD_SANITIZE_FUZZ_EXAMPLES:-$(( SLICE_ONLY ? 150 : 600 ))}" FSD_MEMORY_REPEATS=0 \
   PYTHONFAULTHANDLER=1 PYTHONUNBUFFERED=1 \
   "$PYTHON" -m pytest -q -x -p no:cacheprovider "${SLICE[@]}" \
     -k "not compiles and not memory and not 151936 and not 32000" > "$WORK/pytest.log" 2>&1)
