@@ -1,7 +1,7 @@
 """The decoding loop: autoregressive (AR), speculative (SD) and fuzzy speculative (FSD) decoding with
 any pair of Hugging Face causal LMs that share a tokenizer.
 
-One step of speculative decoding, per batch row (DESIGN.md section 2):
+One step of speculative decoding, per batch row (docs/design.md sections 2 and 8):
 
     1. draft:  K one-token forwards of the draft model, each drawing d_i ~ q_i with fsd_ext.sample
                (argmax under greedy); after a step where a row accepted all its drafts, the first
@@ -563,7 +563,7 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
              max_new_tokens: int = 256, eos_token_id: Union[int, Sequence[int], None] = None,
              pad_token_id: Optional[int] = None, seed=None, use_cuda_graphs="auto", streamer=None,
              output_divergences: bool = False, skinny_cpu_linears="auto") -> GenerateOutput:
-    """Generate with the target model, drafting with the draft model (DESIGN.md section 2).
+    """Generate with the target model, drafting with the draft model (docs/design.md section 8).
 
     Args:
         target, draft: Hugging Face causal LMs on the same device with one tokenizer (draft

@@ -190,7 +190,7 @@ def accept(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens
            num_draft: Optional[torch.Tensor] = None, seed: SeedArg = None,
            offset: Union[int, torch.Tensor] = 0, generator: Optional[torch.Generator] = None,
            return_divergence: bool = False) -> AcceptResult:
-    """Verify K drafted tokens per row against the target in one fused kernel (DESIGN.md 2).
+    """Verify K drafted tokens per row against the target in one fused kernel (docs/design.md 2).
 
     Args:
         target_logits: [B, K+1, V_t] float32 | bfloat16 | float16, target logits at the K drafted

@@ -1,4 +1,4 @@
-"""Pure-torch reference of fsd-ext: DESIGN.md sections 2 and 3 as executable code.
+"""Pure-torch reference of fsd-ext: docs/design.md sections 2 and 3 as executable code.
 
 This module is the spec every kernel is tested against: short, vectorised over the batch and the
 draft positions, float64 by default. It is also a working fallback (`fsd_ext.reference.accept`)

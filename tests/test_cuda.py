@@ -1,4 +1,4 @@
-"""CUDA kernels of fsd_ext against the CPU kernel and the pure-torch reference (DESIGN.md 2-3).
+"""CUDA kernels of fsd_ext against the CPU kernel and the pure-torch reference (docs/design.md 2-3).
 
 Everything here needs a GPU and the extension built with CUDA; without a GPU every test is skipped.
 Run: pytest -m cuda tests/test_cuda.py

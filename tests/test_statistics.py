@@ -1,4 +1,4 @@
-"""Distribution tests of what the kernel emits (DESIGN.md section 2, "What the rules guarantee").
+"""Distribution tests of what the kernel emits (docs/design.md section 2.5, "What the rules guarantee").
 
 Each test runs one verification step on N = 100,000 rows that share the same small-vocabulary p
 and q (rows differ only in their random streams), drafts d ~ q, and compares the histogram of the

@@ -19,14 +19,14 @@
 
 namespace fsd {
 
-// Acceptance rules of DESIGN.md section 2. The numeric values are part of the op ABI (the Python
+// Acceptance rules of docs/design.md section 2.5. The numeric values are part of the op ABI (the Python
 // front end passes them as ints), so never renumber.
 enum class Rule : int32_t { Greedy = 0, SD = 1, FSD = 2, FSDStrict = 3 };
 
-// Divergences of DESIGN.md section 2. Same ABI note as Rule.
+// Divergences of docs/design.md section 2.4. Same ABI note as Rule.
 enum class Divergence : int32_t { KL = 0, RKL = 1, JS = 2, TV = 3, MKL = 4 };
 
-// Independent random streams (DESIGN.md section 3). Part of the RNG keying: never renumber.
+// Independent random streams (docs/design.md section 3). Part of the RNG keying: never renumber.
 enum class Purpose : uint32_t {
   Accept = 1,  // the coin u_i of the sd / fsd rules, one per (row, position)
   Sample = 2,  // the correction (residual / p_i) or bonus sample, one per (row, position)
@@ -59,7 +59,7 @@ FSD_INLINE float inverse_temperature(float tau) {
   return inv < kMaxInverseTemperature ? inv : kMaxInverseTemperature;
 }
 
-// Optional top-k / top-p / min-p filter, applied identically to target and draft (DESIGN.md 2).
+// Optional top-k / top-p / min-p filter, applied identically to target and draft (docs/design.md 2.3).
 // Each is a logit cutoff: a token survives when its logit is >= the cutoff. Applied in order
 // top-k, top-p (on the top-k renormalised distribution), min-p.
 struct SamplingFilter {
@@ -84,7 +84,7 @@ struct RowValue {
   FSD_INLINE T at(int64_t row) const { return per_row ? per_row[row] : scalar; }
 };
 
-// Where the random numbers of one call come from (DESIGN.md section 3). With per-row seeds a row's
+// Where the random numbers of one call come from (docs/design.md section 3). With per-row seeds a row's
 // draws depend on its seed only (batch invariance); with one scalar seed the row index is mixed in.
 struct RandomKey {
   RowValue<int64_t> seed;

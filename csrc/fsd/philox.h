@@ -1,7 +1,7 @@
 // Counter-based Philox4x32-10 (Salmon et al., SC'11), shared by the CPU and CUDA kernels and
 // mirrored in fsd_ext/reference.py (philox_uniforms), so the reference can replay the same draws.
 //
-// Keying (DESIGN.md section 3), for one call with seed s and offset o:
+// Keying (docs/design.md section 3), for one call with seed s and offset o:
 //   key     = (lo32(row seed), hi32(row seed))
 //   counter = (position | purpose << 24, row stream, lo32(o), hi32(o))
 // where row seed / row stream are (seed[b], 0) with per-row seeds and (s, b) with a scalar seed.

@@ -1,4 +1,4 @@
-// The divergences and acceptance rules of DESIGN.md section 2: the one place in C++/CUDA where
+// The divergences and acceptance rules of docs/design.md section 2: the one place in C++/CUDA where
 // their formulas live (fsd_ext/reference.py is the executable spec they are tested against).
 #pragma once
 

@@ -1,7 +1,7 @@
 // A deterministic mini-fuzzer of the framework-free CPU kernels, written to run under
 // AddressSanitizer and UndefinedBehaviorSanitizer (scripts/sanitize.sh; also a plain ctest). The
 // inputs (fuzz_inputs.h) cover the edge cases and sit in buffers that end exactly at the last
-// row. Besides "no report", each result is checked for the output invariants of DESIGN.md
+// row. Besides "no report", each result is checked for the output invariants of docs/design.md
 // section 2 (tokens in range, -1 padding, accepted prefix = drafts, valid flags).
 //
 // Usage: test_sanitize_core [iterations]   (default 10000; exit status 1 on a failed invariant)

@@ -162,7 +162,7 @@ double log_prob(const Softmax& s, float z) {
   return x == -INFINITY ? -INFINITY : (x - s.max) * (double)s.inv - std::log(s.sum);
 }
 
-// D(p || q) of DESIGN.md in double, and the residual mass sum max(0, p - q).
+// D(p || q) of docs/design.md 2.4 in double, and the residual mass sum max(0, p - q).
 void reference_pass_two(Divergence kind, const std::vector<float>& target, const std::vector<float>& draft,
                         const Softmax& p, const Softmax& q, double& div, double& residual) {
   div = residual = 0.0;

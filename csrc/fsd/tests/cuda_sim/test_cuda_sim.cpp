@@ -340,7 +340,7 @@ void compare_divergence(Rng& rng, int n) {
 }
 
 // Golden: a probability below float's range against a draft vocabulary smaller than the target's
-// (DESIGN.md section 2), in two layouts, draft logits all 0 in both.
+// (docs/design.md section 2.1), in two layouts, draft logits all 0 in both.
 //   "id": target logits 0 at id 0, -200 at id 20 (past V_d = 15, so q = 0 there by construction),
 //   -1000 elsewhere. p(20) = e^-200 is below float's range but not 0, so KL is +inf (reference.py,
 //   in float64), over the whole vocabulary and with div_top_k 3 (top ids 0, 20 and 1), by
