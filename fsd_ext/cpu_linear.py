@@ -8,31 +8,23 @@ computes float32 as (W @ x^T)^T, which lets the BLAS stream W in its stored layo
 another summation order: results differ from F.linear by float rounding only
 (tests/test_cpu_linear.py).
 
-Where it pays off (`skinny_pays_off`: a fixed rule, not a timing, so that two runs round alike):
+Where it pays off (`skinny_pays_off`: a fixed rule, not a timing, so that two runs round alike;
+the measurements are in docs/cpu.md, "The linear layers of CPU decoding"):
 
 - bfloat16 on a CPU with AVX512-BF16 (`bf16_dot_available()`; Intel Cooper Lake and later, AMD
   Zen 4 and later): the kernel multiplies with the CPU's bfloat16 dot product straight from the
-  stored weights, F.linear over the kernel 1.3-2.6x at 1-6 rows on every linear shape of the
-  Qwen2.5-Coder pair (Intel Xeon, 2 threads, weights out of cache; `benchmarks/bench_cpu_linear.py`,
-  benchmarks/results/cpu-linear-intel-2026-12-02).
+  stored weights, faster than F.linear at 1-6 rows on every linear shape of the Qwen2.5-Coder pair.
 - float32, unless torch's BLAS is MKL on an Intel CPU. On an AMD EPYC MKL's few-row path costs 2-3x
-  its one-row product (8960x1536, 2 threads, 1 / 4 / 6 rows: F.linear 2.62 / 8.16 / 8.62 ms, the
-  kernel 1.87 / 2.45 / 2.84 ms, 2026-11-30); on an Intel Xeon MKL takes its fast paths, and whole
-  forwards of the Qwen pair there were 21% faster with F.linear at one token and about even at six
-  (2026-12-02), so float32 stays with F.linear.
+  its one-row product; on an Intel Xeon MKL takes its fast paths and whole forwards of the Qwen
+  pair were faster with F.linear, so float32 stays with F.linear there.
 - bfloat16 without AVX512-BF16: the kernel widens the weights to float32, in registers with AVX2
   (`avx2_available()`), else in cache (half the bytes, all the float32 work). With AVX2 it wins at
-  every row count (AMD EPYC, 2 threads, 1 / 2 / 6 rows: F.linear over the kernel 1.0-1.5 / 1.1-2.1
-  / 2.1-4.6x on the pair's linear shapes, the 0.5B's 128x896 k_proj 0.84x at one row;
-  `bench_cpu_linear.py --dtype bfloat16`, 2026-12-02); without it one row stays with F.linear.
+  every row count on the pair's large shapes; without it one row stays with F.linear.
 
 - bfloat16 weights with float32 activations (`store_linear_weights_bfloat16`, a
   `Bfloat16WeightLinear` per layer; what `fsd-ext` and `models.load` do for float32 models where
   float32 pays off, `models.default_linear_weights`): half the weight bytes, everything else
-  float32. AMD EPYC, 2 threads, median of 5 interleaved (2026-12-02): the 1.5B's forward of 1 / 6
-  / 40 tokens 475 / 604 / 2956 -> 361 / 539 / 1858 ms against the float32 model on the kernel, and
-  1 / 6 tokens 313 / 361 ms since the kernel's AVX2 path (which made the float32 model's 567 / 817
-  -> 535 / 647 ms, same run).
+  float32, so forwards are faster than the float32 model's on the kernel.
 
 fsd_ext.generate switches it on for its own forwards on the CPU where it pays off
 (`skinny_cpu_linears="auto"`) and restores the models' modules when it returns;
@@ -168,12 +160,11 @@ class QuantWeightLinear(torch.nn.Module):
     inputs (decoding: 1..MAX_ROWS rows) go to the fsd_ext kernel; more rows (a prompt) in bfloat16
     on CPUs where that is much faster (prompt_matmul_dtype) to the kernel's AMX tiles where
     quant_linear_amx() and the format is q4 or q8 (quant_linear_prompt: W and x rounded to
-    bfloat16, float32 sums, y not rounded; 1.2-2.0x the mm path below on the Intel Xeon's large
-    shapes, 1.0-1.6x on a 256-row W: benchmarks/bench_prompt_linear.py), else to torch.mm on
-    cache-sized blocks of dequantised rows (float32, or bfloat16 with y rounded to bfloat16; set
-    `prompt_dtype` to torch.float32, or use set_prompt_dtype(model, torch.float32), for float32
-    there too); other devices, autograd, or a build without the extension dequantise with torch
-    ops.
+    bfloat16, float32 sums, y not rounded; faster than the mm path below on the Intel Xeon:
+    docs/cpu.md), else to torch.mm on cache-sized blocks of dequantised rows (float32, or bfloat16
+    with y rounded to bfloat16; set `prompt_dtype` to torch.float32, or use
+    set_prompt_dtype(model, torch.float32), for float32 there too); other devices, autograd, or a
+    build without the extension dequantise with torch ops.
     """
 
     def __init__(self, codes: torch.Tensor, params: torch.Tensor, format: str, in_features: int,
@@ -232,10 +223,10 @@ class QuantWeightLinear(torch.nn.Module):
     def prompt_matmul_dtype(self) -> torch.dtype:
         """The dtype of the product for more than MAX_ROWS rows (a prompt): self.prompt_dtype, or
         when that is None ("auto"), bfloat16 on a CPU with AVX512-BF16 (whose bfloat16 GEMM, AMX
-        where it has it, ran 5.6x torch's float32 GEMM on an Intel Xeon: 48 x 1536 x 8960, 2.3 vs
-        12.8 ms) and float32 elsewhere. bfloat16 rounds that product's weights and inputs as a
-        bfloat16 model does (and its outputs too, where quant_linear_amx() is false); decoding steps (at most MAX_ROWS rows) always multiply the float32
-        weights exactly."""
+        where it has it, is several times torch's float32 GEMM: docs/cpu.md) and float32 elsewhere.
+        bfloat16 rounds that product's weights and inputs as a bfloat16 model does (and its outputs
+        too, where quant_linear_amx() is false); decoding steps (at most MAX_ROWS rows) always
+        multiply the float32 weights exactly."""
         if self.prompt_dtype is not None:
             return self.prompt_dtype
         return torch.bfloat16 if bf16_dot_available() else torch.float32
@@ -327,7 +318,7 @@ def use_quant_amx(enabled: bool):
 def quant_linears_pay_off() -> bool:
     """Whether a GGUF checkpoint's own quantised linear weights (QuantWeightLinear) beat the other
     CPU linears here, by a fixed rule: where the kernel has its AVX-512 path (measured on an Intel
-    Xeon, README); the AVX2 path is tested but not yet measured against the bfloat16 kernel."""
+    Xeon: docs/cpu.md); the AVX2 path is tested but not yet measured against the bfloat16 kernel."""
     return quant_linear_path() == "avx512"
 
 

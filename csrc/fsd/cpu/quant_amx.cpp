@@ -1,14 +1,13 @@
 // See quant_amx.h. Why tiles: at R rows of x the AVX-512 path does R float32 multiply-adds per
 // weight it reads, so from a few rows on its time is those multiply-adds, not memory; one tile
-// product (TDPBF16PS) does 16 x 16 x 32 of them in 5 ns (Intel Xeon, microbenchmark), whatever R.
+// product (TDPBF16PS) does 16 x 16 x 32 of them at a fixed cost, whatever R.
 //
-// Where the time goes (one thread, 8960 x 1536 Q4, per 16 weight rows x 32 columns: 53 / 62 / 102
-// ns at 2 / 6 / 16 rows against the AVX-512 loops' 25 / 75 / 199): decoding
-// the codes into A ~15 ns (four instructions per row of A, two on the shuffle port), the three
-// tile products with their loads ~20 ns, scaling the sums into the accumulators ~11 ns; the tile
-// instructions and the vector ones around them hardly overlap. With two threads the tiles gained
-// less than the vector loops do (the two virtual CPUs seem to share one tile unit), hence
-// kQuantAmxMinRows.
+// Where the time goes: decoding the codes into A (four instructions per row of A, two on the
+// shuffle port), the three tile products with their loads, and scaling the sums into the
+// accumulators take comparable shares, and the tile instructions and the vector ones around them
+// hardly overlap. With two threads the tiles gained less than the vector loops do (the two virtual
+// CPUs seem to share one tile unit), hence kQuantAmxMinRows. Timings: docs/cpu.md, "The
+// quantised-weight kernel's design choices".
 //
 // Exactness. The tile unit multiplies bfloat16 pairs into float32 sums; neither the weights nor x
 // are bfloat16, so neither goes in as such:
@@ -169,10 +168,10 @@ TileConfig tile_config(int pairs, int n) {
 }
 
 // A tile load of data that vector stores wrote just before, or a vector load of a tile store's,
-// waits for the stores to reach the cache: 47 ns for a group's product instead of 15 (Intel Xeon,
-// microbenchmark). So the codes are decoded kAhead groups before their product, and the sums are
-// read kAhead groups after it, through rings of kRing buffers: 20-23 ns in the microbenchmark, and
-// in the kernel 10% off the time of decoding the next group just before its product.
+// waits for the stores to reach the cache, which tripled a group's product time on the Intel Xeon.
+// So the codes are decoded kAhead groups before their product, and the sums are read kAhead groups
+// after it, through rings of kRing buffers (measured: docs/cpu.md, "The quantised-weight kernel's
+// design choices").
 constexpr int kAhead = 2, kRing = 4;
 constexpr int kATileBytes = kTileRows * 64, kCTileFloats = kTileRows * 16;
 
@@ -279,8 +278,8 @@ void run(const QuantGemm& g, const ParallelFor& parallel_for) {
 // the sums C[a][b] (A tile a x B tile b: 32 weight rows x 32 rows of x), 4..5 A (16 weight rows
 // x 32 columns), 6..7 B (the pairs of 32 columns x 16 rows of x). In both formats a 32-column
 // tile pairs columns (j, j + 16), as the Q4 tiles above do.
-// Measured (Intel Xeon, 2 threads, Qwen2.5-Coder shapes, 64-600 rows): 0.4-1.3 TFLOP/s, 1.2-2.0x
-// quant_dequantize + torch's bfloat16 mm on the large shapes (benchmarks/bench_prompt_linear.py).
+// Faster than quant_dequantize + torch's bfloat16 mm on the Qwen2.5-Coder shapes (Intel Xeon;
+// benchmarks/bench_prompt_linear.py, docs/cpu.md "A GGUF checkpoint's own linear weights").
 // Not yet tried: decoding the next A while the tiles multiply (now each strip's A is decoded, then
 // multiplied).
 

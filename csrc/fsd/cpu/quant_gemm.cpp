@@ -5,13 +5,11 @@
 // Loop order: each task (16 blocks) goes over the columns in chunks, and over all its blocks
 // within a chunk, so that the chunk of x (at most kXChunkBytes) stays in L1 for the 16 blocks while
 // the codes stream past it. The first ordering tried, whole rows block by block, read x from L2
-// once it outgrew L1 beside the codes (in = 8960, or 6 rows of in = 1536) and ran 25-40% slower
-// there (Intel Xeon, AVX-512, prototype).
+// once it outgrew L1 beside the codes (in = 8960, or 6 rows of in = 1536) and ran slower there.
 //
-// Measured in the prototype against skinny_gemm's AVX512-BF16 path on bfloat16 weights (Intel
-// Xeon with AVX-512, 2 threads, weights out of cache, median of 7): Q4 1.5-2.5x faster at 1-2 rows
-// and about even at 6 (where both are bound by multiply-adds, not memory); Q8 1.0-1.5x at 1-6 rows.
-// benchmarks/bench_cpu_linear.py measures the kernel as built.
+// Against skinny_gemm's AVX512-BF16 path on bfloat16 weights Q4 wins at 1-2 rows, where both are
+// bound by memory, and about evens at 6, where both are bound by multiply-adds (docs/cpu.md, "The
+// quantised-weight kernel's design choices"; benchmarks/bench_cpu_linear.py measures it as built).
 #include "fsd/cpu/quant_gemm.h"
 
 #include <algorithm>

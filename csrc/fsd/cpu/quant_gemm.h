@@ -71,12 +71,11 @@ enum class QuantPath { Best, Amx, Avx512, Avx2, Portable };
 
 // From this many rows of x Best takes the tiles. Their time hardly grows with the rows (the
 // codes' decoding, the tile products and reading the sums back cost the same for 1 or 16), the
-// AVX-512 loops' grows with them: on the Intel Xeon they were measured on (2 threads, 1.5B Q4
-// shapes), even at 8 rows, the tiles 1.1-1.2x faster at 10 and 1.1-1.6x at 16, but 1.7-2.3x
-// slower at 2 (benchmarks/bench_cpu_linear.py --dtype q4, README).
+// AVX-512 loops' grows with them: on the Intel Xeon the two were even at 8 rows and the tiles
+// faster from 10 on (measured: docs/cpu.md, "The quantised-weight kernel's design choices").
 constexpr int64_t kQuantAmxMinRows = 10;
 // ... and W has this many rows or more: the tiles first lay x out for them (on one thread), which
-// a small W does not repay (256 x 1536: 0.7x the AVX-512 loops at 12-16 rows; 1536 x 1536: 1.1-1.2x).
+// a small W does not repay (256 rows: slower than the AVX-512 loops at 12-16 rows of x).
 constexpr int64_t kQuantAmxMinOut = 1024;
 
 struct QuantGemm {

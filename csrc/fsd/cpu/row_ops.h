@@ -455,8 +455,8 @@ FSD_CPU_CLONES float walk_buckets(const T* row, int64_t n, const Dist& d, float 
 }
 
 // Walks whose end is known to lie among the row's largest kFewValues values select those instead
-// of taking the bucket walk (a top-k walk at V=151936: the selection 64-126 us for k = 128-512,
-// the bucket walk ~200 us; they meet near k = 1000).
+// of taking the bucket walk: cheaper for k well below ~1000 (docs/cpu.md, "The verification
+// kernels on the CPU").
 constexpr int64_t kFewValues = 256;
 
 // The values of `scratch`, sorted in descending order, walked to `target` (see walk_sorted).

@@ -9,6 +9,7 @@
 // stored weights (no compiler emits it from a loop); otherwise, with AVX2, float32 weights and
 // bfloat16 ones widened in a register as they are loaded (the portable loop written that way
 // compiled to accumulators kept on the stack). Both prefetch the next block of weights by hand.
+// The measurements behind these choices: docs/cpu.md ("The few-row kernel's design choices").
 #include "fsd/cpu/skinny_gemm.h"
 
 #include <algorithm>
@@ -82,16 +83,13 @@ using x86::sum4;
 using x86::sum4_avx2;
 constexpr int kDotRows = 4;  // weight rows per pass over x: 4 x kRowGroup accumulators (16 zmm)
 // Blocks up to this size are prefetched into L1, larger ones into L2: a next block that large,
-// brought into L1 (48 KB here) beside the current one and x, evicts the lines still in use
-// (1536x8960, 1 / 2 / 4 rows: F.linear over the kernel 1.31-1.36 / 1.40-1.47 / 1.44-1.49x with L1
-// prefetches, 1.70-1.78 / 1.50-1.55 / 1.53-1.55x with L2 ones; 896x4864 likewise). The lm_head's
-// 12 KB blocks measured the same either way.
+// brought into L1 (48 KB here) beside the current one and x, evicts the lines still in use. The
+// lm_head's 12 KB blocks measured the same either way.
 constexpr int64_t kL1PrefetchBytes = 16 << 10;
 // With several passes over such a block, x's rows (6 x 17.5 KB for in = 8960) no longer fit in L1
 // either, and each pass reread the block and x from L2; then the passes go over kDotColumnChunk
-// columns at a time, keeping their sums in memory between chunks (1536x8960 / 896x4864 at 6 rows:
-// 2.08 -> 1.48 / 0.69 -> 0.54 ms, median of 7 interleaved; in = 1536, split 1024 + 512, was ~7%
-// slower, so smaller blocks keep whole rows).
+// columns at a time, keeping their sums in memory between chunks (splitting in = 1536 was slower,
+// so smaller blocks keep whole rows).
 constexpr int64_t kDotColumnChunk = 1024;  // a multiple of 32: only the last chunk has a tail
 
 // A block of kDotRows weight rows too large for L1 prefetches (and, with several passes, column
@@ -136,7 +134,7 @@ void dot_bf16_block(const SkinnyGemm& g, int64_t o, int n, int64_t row0, unsigne
     FSD_UNROLL
     for (int b = 0; b < kDotRows; ++b) wv[b] = load_bf16(w_row[b] + i, mask, full);
     // The next block's rows, a block ahead: at this much work per byte the hardware prefetcher
-    // alone left the loop waiting on memory (151936x1536, 4 rows: 46.8 -> 26.7 ms).
+    // alone left the loop waiting on memory.
     FSD_UNROLL
     for (int b = 0; b < kDotRows; ++b) {
       if (!(prefetch_rows & (1u << b))) continue;
@@ -176,12 +174,11 @@ void dot_bf16_block(const SkinnyGemm& g, int64_t o, int n, int64_t row0, unsigne
 // Output features [begin, end) by the AVX512-BF16 path: each block of kDotRows weight rows is read
 // from memory once and meets every group of x rows while it is in L1. (Widening the weights in
 // registers for plain float32 multiply-adds, twice vdpbf16ps's rate on the Xeon measured, was no
-// faster: 40.8 ms either way for 151936x1536 x 6 rows.)
+// faster.)
 //
 // The prefetches of the next block are shared out over the passes (pass p takes rows b with
 // b % passes == p), so that memory is busy during every pass: all of them in the first pass left
-// memory idle during the others (151936x1536, 6 rows: 37.5 -> 30.7 ms, median of 9; 4 rows or
-// fewer, one pass, unchanged). A longer distance (2 blocks) measured the same, and so did an L2
+// memory idle during the others. A longer distance (2 blocks) measured the same, and so did an L2
 // hint for these 12 KB blocks (larger ones take it: kL1PrefetchBytes).
 void out_range_bf16_dot(const SkinnyGemm& g, int64_t begin, int64_t end) {
   const int passes = (int)((g.rows + kRowGroup - 1) / kRowGroup);
@@ -215,11 +212,7 @@ void out_range_bf16_dot(const SkinnyGemm& g, int64_t begin, int64_t end) {
 // without AVX512-BF16, or with float32 x): bfloat16 weights are widened in a register right after
 // their load (a zero-extension and a shift), so the memory stream and the multiply-adds overlap,
 // where the portable path's widening pass into an L1 scratch left memory idle while it multiplied;
-// with the prefetches and a 4 x 3 register block, float32 weights gain too. AMD EPYC (Zen 3), 2
-// threads, weights out of cache, median of 7-9 interleaved, 1 / 2 / 6 rows, portable over this:
-// bfloat16 151936x1536 1.47 / 1.61 / 2.19x (46.5 / 52.7 / 80.8 -> 31.7 / 32.7 / 36.9 ms),
-// 1536x8960 1.78 / 1.92 / 2.11x; float32 151936x1536 1.05 / 1.25 / 1.47x, 1536x8960 0.97 / 1.05 /
-// 1.20x, 8960x1536 1.11 / 1.33 / 1.59x.
+// with the prefetches and a 4 x 3 register block, float32 weights gain too.
 constexpr int kAvx2Rows = 4;      // weight rows per pass over x
 constexpr int kAvx2RowGroup = 3;  // x rows per pass: 4 x 3 accumulators + one weight register of 16 ymm
 

@@ -29,8 +29,8 @@ template <int kImm>
 FSD_ALWAYS_INLINE __m512 permute_in_blocks(__m512 a) { return _mm512_mask_permute_ps(a, 0xFFFF, a, kImm); }
 
 // sums[k] = the lane sum of a_k, by shuffles and adds on all four at once: ~15 instructions where
-// 4 x 16 scalar additions took ~10% of a 4-row block's time (skinny_gemm's AVX512-BF16 path,
-// 151936x1536, 4 / 6 rows: 26.9 / 28.8 -> 24.6 / 25.9 ms, median of 9).
+// 4 x 16 scalar additions took ~10% of a 4-row block's time in skinny_gemm's AVX512-BF16 path
+// (measured: docs/cpu.md, "The few-row kernel's design choices").
 FSD_ALWAYS_INLINE void sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float* sums) {
   // Fold halves, then quarters: 128-bit block k of `quad` holds 4 lanes that sum to sum(a_k).
   const __m512 half01 = _mm512_add_ps(shuffle_blocks<_MM_SHUFFLE(1, 0, 1, 0)>(a0, a1),

@@ -15,9 +15,8 @@ namespace cuda {
 namespace {
 
 // With enough rows, vocabulary chunks of at most this many ids (when the step samples or needs
-// divergences): on the H200 at B=64, K=5, V=128256 bf16, 8 chunks of 16384 took 564 us (fsd/js) and
-// 341 us (sd) against 723 / 543 us for whole rows in one fused launch, and 32 chunks 904 / 663 us
-// (benchmarks/results/gpu-h200-2026-11-30). A whole-row block ends with the row's inverse-CDF scan
+// divergences): on the H200 at B=64 they beat whole rows in one fused launch and 4x smaller chunks
+// (docs/cuda.md, "Measured on a GPU"). A whole-row block ends with the row's inverse-CDF scan
 // over up to V ids on one block, and 6 rows of blocks per batch row leave the last wave half empty.
 constexpr int64_t kBatchChunk = 16384;
 
@@ -129,7 +128,7 @@ AcceptPlan plan_accept(const AcceptProblem& pb) {
       plan.splits = std::max<int64_t>(1, std::min({(want_blocks + blocks - 1) / blocks, by_vocab, kMaxSplits}));
     } else if (pb.rule != Rule::Greedy || pb.need_divergence) {
       // Greedy without divergences reads each row once and never samples: whole rows stay faster
-      // there (243 vs 265 us in the same measurement).
+      // there (the same H200 run: docs/cuda.md).
       plan.splits = std::min((pb.target_vocab + kBatchChunk - 1) / kBatchChunk, kMaxSplits);
     }
     if (const int64_t requested = splits_requested(); requested > 0)
