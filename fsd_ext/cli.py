@@ -44,6 +44,10 @@ def _load_pair(args, need_draft: bool):
         dtype, linear_weights = models.resolve_load_options(name, args.device, args.dtype, args.linear_weights)
         return models.load(name, dtype=dtype, device=args.device, linear_weights=linear_weights)
 
+    # Built-in checkpoints are converted (once) before either model loads, so that a conversion's
+    # memory never adds to a loaded model's.
+    for name in (args.target, args.draft) if need_draft else (args.target,):
+        models.resolve(name)
     print(f"loading target {args.target} ...", file=sys.stderr, flush=True)
     target, tokenizer = load(args.target)
     draft = None

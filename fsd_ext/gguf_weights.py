@@ -236,14 +236,54 @@ def _llama_row_order(module_name: str, out: int, config) -> Optional[np.ndarray]
     return np.arange(out).reshape(heads, out // heads // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
-def _same_weights(unpacked: Unpacked, weight: torch.Tensor, rows_per_check: int = 4096) -> bool:
-    """Whether the dequantised codes are the module's weight exactly (at the weight's dtype)."""
-    for start in range(0, weight.shape[0], rows_per_check):
-        rows = slice(start, start + rows_per_check)
-        ours = torch.from_numpy(unpacked.dequantize(rows)).to(weight.dtype)
-        if not torch.equal(ours, weight.detach()[rows].cpu()):
-            return False
-    return True
+def _repack_checked(tensor, type_name: str, weight: torch.Tensor, order: Optional[np.ndarray], verify: str,
+                    rows_per_chunk: int = 4096):
+    """The file's codes for `weight` repacked -> (codes, params, format), or None where they do not
+    give the module's weights (verify: see load_gguf_linear_weights). A chunk of rows at a time:
+    unpacking a whole output layer at once takes several times its codes in temporaries.
+    order: the file's row of each of the module's rows (llama's q / k), or None."""
+    import gguf
+
+    out, in_features = weight.shape
+    raw = np.asarray(tensor.data)
+    codes = params = None
+    for start in range(0, out, rows_per_chunk):  # (rows_per_chunk: a multiple of pack's 4-row blocks)
+        rows = slice(start, min(start + rows_per_chunk, out))
+        source = raw[order[rows]] if order is not None else raw[rows]
+        unpacked = unpack(source, type_name, in_features)
+        ours = unpacked.dequantize()
+        if verify == "file":
+            # the whole chunk against gguf-py; the module's weight at its first and last rows only
+            same = np.array_equal(ours, gguf.quants.dequantize(source, tensor.tensor_type))
+            read = [(0, 4), (out - 4, out)]
+        else:
+            same, read = True, [(rows.start, rows.stop)]
+        for first, stop in read:
+            first, stop = max(first, rows.start), min(stop, rows.stop)
+            if same and first < stop:
+                same = torch.equal(torch.from_numpy(ours[first - start:stop - start]).to(weight.dtype),
+                                   weight.detach()[first:stop].cpu())
+        if not same:
+            return None
+        chunk_codes, chunk_params = pack(unpacked)
+        if codes is None:
+            blocks = -(-out // 4)
+            codes = torch.empty((blocks, *chunk_codes.shape[1:]), dtype=chunk_codes.dtype)
+            params = torch.empty((blocks, *chunk_params.shape[1:]), dtype=chunk_params.dtype)
+        codes[start // 4:start // 4 + chunk_codes.shape[0]] = chunk_codes
+        params[start // 4:start // 4 + chunk_params.shape[0]] = chunk_params
+    return codes, params, unpacked.format
+
+
+def release_file_pages(reader) -> None:
+    """Lets the process's resident set drop the GGUF file's pages read so far (a read-only file
+    mapping: they are read again from the page cache if needed); without it a first conversion or
+    repack holds the whole file in its resident set on top of what it builds."""
+    import mmap
+
+    mapping = getattr(reader.data, "_mmap", None)  # (np.memmap's mmap object)
+    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def _gguf_tensor(tensors, name_map, module_name: str, model):
@@ -339,18 +379,27 @@ def _write_cache(model, cache_path: Path, gguf_path: Path, report: Report) -> No
     tmp.replace(cache_path)
 
 
-def load_gguf_linear_weights(model: torch.nn.Module, gguf_path, cache_path=None, log: bool = True) -> Report:
+def load_gguf_linear_weights(model: torch.nn.Module, gguf_path, cache_path=None, log: bool = True,
+                             verify: str = "model") -> Report:
     """Swap every CPU nn.Linear of `model` (a transformers model loaded from, or converted from,
     the GGUF file `gguf_path`) whose weight the file stores in a type of SUPPORTED_TYPES, and whose
     float weight the file's codes reproduce exactly, for a cpu_linear.QuantWeightLinear holding those
     codes (the module's weight is freed). In place; returns a Report.
 
+    verify: "model" compares every repacked weight with the module's; "file", for a model whose
+    weights were dequantised from this very file (models.load), compares them with gguf-py's
+    dequantisation of the file and only the module's first and last rows, so that a memory-mapped
+    checkpoint's linear weights are never read (the first `fsd-ext demo` would otherwise hold the
+    whole float32 model in memory).
     cache_path: a safetensors file for the repacked codes. Repacking reads and checks every weight
     (about 30 s for the 1.5B model on 2 cores); a cache written for the same file (same size and
     modification time) is read instead, each layer's first and last rows still checked against the
     model's weights.
     """
     import gguf
+
+    if verify not in ("model", "file"):
+        raise ValueError(f"verify must be 'model' or 'file', got {verify!r}")
 
     start = time.perf_counter()
     gguf_path = Path(gguf_path)
@@ -377,13 +426,11 @@ def load_gguf_linear_weights(model: torch.nn.Module, gguf_path, cache_path=None,
             report.kept[name] = "another shape in the file"
         else:
             type_name = tensor.tensor_type.name
-            unpacked = unpack(tensor.data, type_name, in_features)
             order = _llama_row_order(name, out, model.config) if arch_name == "llama" else None
-            if order is not None:
-                unpacked = Unpacked(unpacked.format, unpacked.codes[order], unpacked.scales[order],
-                                    None if unpacked.offsets is None else unpacked.offsets[order])
-            if _same_weights(unpacked, weight):
-                _swap(model, name, module, *pack(unpacked), unpacked.format, type_name, report)
+            repacked = _repack_checked(tensor, type_name, weight, order, verify)
+            release_file_pages(reader)
+            if repacked is not None:
+                _swap(model, name, module, *repacked, type_name, report)
             else:
                 report.kept[name] = "weights differ from the file's"
     if cache_path is not None and report.replaced:

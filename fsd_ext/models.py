@@ -1,4 +1,4 @@
-"""Offline model weights (DESIGN.md section 6): pip packages that ship GGUF files, assembled,
+"""Offline model weights (docs/design.md section 6): pip packages that ship GGUF files, assembled,
 checked and loaded with transformers.
 
     model, tokenizer = fsd_ext.models.load("qwen2.5-coder-1.5b")   # or any HF directory / hub id
@@ -8,13 +8,14 @@ For a built-in name, `load`:
   2. finds their data files through importlib.metadata (the packages are never imported),
      concatenates them in order into <cache>/<name>.gguf and checks its sha256 (once: a stamp file
      remembers the checked size and mtime);
-  3. converts the GGUF once into a safetensors folder <cache>/<name>/ (transformers dequantises the
-     GGUF; the state dict is saved directly, since `save_pretrained` refuses GGUF-loaded models, and
-     config.json gets a top-level `rope_theta` for transformers 4.5x) and loads from there.
-     convert=False loads the GGUF directly every time instead.
+  3. converts the GGUF once into a float32 safetensors folder <cache>/<name>/, tensor by tensor
+     (gguf-py dequantises, transformers' own GGUF name map and tensor processors rename; shards
+     with an index; config.json gets a top-level `rope_theta` for transformers 4.5x) and loads from
+     there. convert=False loads the GGUF directly every time instead.
 
-The cache is $FSD_EXT_CACHE, else ~/.cache/fsd_ext. Converting the 1.5B model peaks at about 9 GB of
-resident memory, once (9.1 GB measured, transformers 5.24); loading the converted folder needs about its size (6 GB in float32).
+The cache is $FSD_EXT_CACHE, else ~/.cache/fsd_ext. The first `fsd-ext demo` (converting both
+models, then repacking their GGUF linear weights) peaks at about 3.3 GB resident; the measurement
+is in docs/cpu.md.
 """
 
 from __future__ import annotations
@@ -230,26 +231,105 @@ def assemble_gguf(spec: WeightSpec) -> Path:
 # ----------------------------------------------------------------------------------------------
 # GGUF -> transformers.
 
-def _convert(gguf: Path, folder: Path) -> None:
-    """Dequantise a GGUF checkpoint once into a plain safetensors folder transformers loads fast."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+SHARD_BYTES = 512 << 20  # the converted folder's safetensors shards
 
-    _log(f"converting {gguf.name} once into {folder} (dequantising; needs memory) ...")
+
+def _dequantize(tensor, rows_per_chunk: int = 4096):
+    """gguf-py's float32 dequantisation of a GGUF tensor, a chunk of rows at a time: its
+    temporaries are several times the output, which for the 1.5B model's embedding is 0.9 GB."""
+    import gguf as gguf_py
+    import numpy as np
+
+    data = tensor.data
+    if data.ndim < 2 or data.shape[0] <= rows_per_chunk:
+        return gguf_py.dequantize(data, tensor.tensor_type).astype(np.float32, copy=False)
+    first = gguf_py.dequantize(data[:rows_per_chunk], tensor.tensor_type)
+    out = np.empty((data.shape[0], *first.shape[1:]), dtype=np.float32)
+    out[:rows_per_chunk] = first
+    for start in range(rows_per_chunk, data.shape[0], rows_per_chunk):
+        rows = slice(start, start + rows_per_chunk)
+        out[rows] = gguf_py.dequantize(data[rows], tensor.tensor_type)
+    return out
+
+
+def _gguf_tensors_as_hf(gguf: Path, config):
+    """Yields (transformers parameter name, float32 tensor) for the GGUF file's tensors, one at a
+    time (dequantised with gguf-py, renamed and reshaped by transformers' own GGUF tensor map and
+    processors, as `from_pretrained(gguf_file=...)` does, but never holding more than one)."""
+    import gguf as gguf_py
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                          get_gguf_hf_weights_map, load_gguf_checkpoint)
+
+    from .gguf_weights import release_file_pages
+
+    with torch.device("meta"):  # names and shapes only, no memory
+        skeleton = AutoModelForCausalLM.from_config(config)
+    parsed = load_gguf_checkpoint(str(gguf), return_tensors=False)  # metadata only
+    reader = gguf_py.GGUFReader(str(gguf))
+    architecture = str(reader.fields["general.architecture"].contents())
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed["config"])
+    name_map = get_gguf_hf_weights_map(skeleton, processor)
+    expected = {name for name, _ in skeleton.named_parameters()}
+    if getattr(config, "tie_word_embeddings", False):
+        expected.discard("lm_head.weight")
+    produced = set()
+    for tensor in reader.tensors:
+        emitted = {"config": parsed["config"], "tensors": {}}  # (some processors emit tensors here)
+        result = processor.process(weights=_dequantize(tensor), name=tensor.name,
+                                   tensor_key_mapping=name_map, parsed_parameters=emitted)
+        out = emitted["tensors"]
+        if result.name in name_map:
+            out[name_map[result.name]] = torch.from_numpy(np.require(result.weights, np.float32, ["C", "W"]))
+        release_file_pages(reader)
+        for name, weight in out.items():
+            produced.add(name)
+            yield name, weight.float().contiguous()
+    missing = expected - produced
+    if missing:
+        raise RuntimeError(f"{gguf.name}: no tensor in the file for {len(missing)} parameters of the model, "
+                           f"e.g. {sorted(missing)[:3]}")
+
+
+def _convert(gguf: Path, folder: Path, shard_bytes: int = SHARD_BYTES) -> None:
+    """Dequantise a GGUF checkpoint once into a float32 safetensors folder transformers loads fast:
+    tensor by tensor into shards of about `shard_bytes` (with the standard index), so the peak
+    memory is a shard and one tensor rather than the whole float32 model."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    _log(f"converting {gguf.name} once into {folder} (dequantising tensor by tensor) ...")
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, **{
-        "dtype" if _TRANSFORMERS_MAJOR >= 5 else "torch_dtype": torch.float32})
     tmp = folder.with_name(folder.name + ".tmp")
     tmp.mkdir(parents=True, exist_ok=True)
-    model.generation_config.save_pretrained(str(tmp))
-    config, state = model.config, model.state_dict()
-    if config.tie_word_embeddings:  # safetensors refuses shared tensors; the tie is rebuilt on load
-        state.pop("lm_head.weight", None)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
-              metadata={"format": "pt"})
-    del state, model
+    shards, shard, shard_size, weight_map, total = [], {}, 0, {}, 0
+
+    def flush():
+        nonlocal shard, shard_size
+        if shard:
+            path = tmp / f"shard-{len(shards):05d}.safetensors"
+            save_file(shard, str(path), metadata={"format": "pt"})
+            shards.append((path, list(shard)))
+            shard, shard_size = {}, 0
+
+    for name, weight in _gguf_tensors_as_hf(gguf, config):
+        size = weight.numel() * weight.element_size()
+        if shard and shard_size + size > shard_bytes:
+            flush()
+        shard[name], shard_size, total = weight, shard_size + size, total + size
+    flush()
+    for i, (path, names) in enumerate(shards):
+        final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        path.rename(tmp / final)
+        weight_map.update(dict.fromkeys(names, final))
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    setattr(config, "dtype" if _TRANSFORMERS_MAJOR >= 5 else "torch_dtype", torch.float32)
     config.save_pretrained(str(tmp))
     config_path = tmp / "config.json"
     config_dict = json.loads(config_path.read_text())
@@ -285,7 +365,7 @@ def resolve(name_or_path: str) -> str:
     if spec is None:
         return name_or_path
     folder = cache_dir() / spec.name
-    if not (folder / "model.safetensors").exists():
+    if not any((folder / f).exists() for f in ("model.safetensors", "model.safetensors.index.json")):
         _convert(assemble_gguf(spec), folder)
     else:
         _make_tokenizer_config_portable(folder)  # folders converted by an older fsd-ext
@@ -350,7 +430,7 @@ def load(name_or_path: str, dtype="auto", device: str = "cpu",
         store_linear_weights_bfloat16(model)
     elif linear_weights == "gguf":
         from .gguf_weights import load_gguf_linear_weights
-        load_gguf_linear_weights(model, gguf, cache_path=gguf_linears_cache(gguf))
+        load_gguf_linear_weights(model, gguf, cache_path=gguf_linears_cache(gguf), verify="file")
     return model, tokenizer
 
 

@@ -371,14 +371,69 @@ def test_model_layers_swapped_where_the_file_holds_their_weights(tmp_path, arch)
             torch.testing.assert_close(model(tokens).logits, reference(tokens).logits, rtol=1e-4, atol=1e-4)
 
 
-def test_llama_rows_are_reordered_back(tmp_path):
+@pytest.mark.parametrize("verify", ["model", "file"])
+def test_llama_rows_are_reordered_back(tmp_path, verify):
     """Negative control: a llama file whose q / k rows are in HF's order does not hold the model's
     weights under llama.cpp's convention, so those layers are kept."""
     model = tiny_model("llama")
     write_gguf(model, "llama", tmp_path / "tiny.gguf", permute=False)
-    report = gguf_weights.load_gguf_linear_weights(model, tmp_path / "tiny.gguf", log=False)
+    report = gguf_weights.load_gguf_linear_weights(model, tmp_path / "tiny.gguf", log=False, verify=verify)
     kept = {name for name, reason in report.kept.items() if reason == "weights differ from the file's"}
     assert kept == {f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("q_proj", "k_proj")}
+
+
+def test_file_verification_reads_the_file_and_the_modules_end_rows(tmp_path, monkeypatch):
+    """verify="file" (models.load's, for a model dequantised from the very file): the repacked
+    codes against gguf-py's dequantisation of the file in full, the module's weight at its first
+    and last rows only (a lazily mapped checkpoint's weights stay unread)."""
+    model = tiny_model("llama")  # (q / k: the file's row order too)
+    write_gguf(model, "llama", tmp_path / "tiny.gguf")
+    model.model.layers[0].mlp.down_proj.weight.data[0, 5] += 1e-3    # a first row: read, differs
+    model.model.layers[1].mlp.down_proj.weight.data[-1, 5] += 1e-3   # a last row: read, differs
+    model.model.layers[0].mlp.gate_proj.weight.data[100, 5] += 1e-3  # a middle row: not read
+    report = gguf_weights.load_gguf_linear_weights(model, tmp_path / "tiny.gguf", log=False, verify="file")
+    assert report.kept == {"model.layers.1.mlp.up_proj": "GGUF type F16",
+                           "model.layers.0.mlp.down_proj": "weights differ from the file's",
+                           "model.layers.1.mlp.down_proj": "weights differ from the file's"}
+    assert "model.layers.0.mlp.gate_proj" in report.replaced and "model.layers.0.self_attn.q_proj" in report.replaced
+    # Negative control: codes unpacked wrong in a middle row differ from the file's, so are kept.
+    unpack = gguf_weights.unpack
+
+    def wrong_unpack(raw, type_name, in_features):
+        unpacked = unpack(raw, type_name, in_features)
+        unpacked.scales[unpacked.scales.shape[0] // 2, 0] *= 2
+        return unpacked
+
+    monkeypatch.setattr(gguf_weights, "unpack", wrong_unpack)
+    fresh = tiny_model("llama")
+    write_gguf(fresh, "llama", tmp_path / "again.gguf")
+    report = gguf_weights.load_gguf_linear_weights(fresh, tmp_path / "again.gguf", log=False, verify="file")
+    assert not report.replaced
+    with pytest.raises(ValueError, match="verify must be"):
+        gguf_weights.load_gguf_linear_weights(fresh, tmp_path / "again.gguf", log=False, verify="rows")
+
+
+@pytest.mark.parametrize("verify", ["model", "file"])
+def test_repacking_in_chunks_of_rows_gives_the_whole_matrix(tmp_path, verify):
+    """_repack_checked a few rows at a time (large matrices) gives what one chunk gives, in the
+    model's row order (llama's q / k), and checks every chunk."""
+    model = tiny_model("llama")
+    write_gguf(model, "llama", tmp_path / "tiny.gguf")
+    reader = gguf.GGUFReader(str(tmp_path / "tiny.gguf"))
+    tensors = {t.name: t for t in reader.tensors}
+    for module, gguf_name in [("model.layers.0.self_attn.q_proj", "blk.0.attn_q.weight"),
+                              ("model.layers.1.mlp.down_proj", "blk.1.ffn_down.weight")]:
+        weight = model.get_submodule(module).weight
+        order = gguf_weights._llama_row_order(module, weight.shape[0], model.config)
+        tensor = tensors[gguf_name]
+        whole = gguf_weights._repack_checked(tensor, tensor.tensor_type.name, weight, order, verify)
+        chunks = gguf_weights._repack_checked(tensor, tensor.tensor_type.name, weight, order, verify, rows_per_chunk=8)
+        assert whole is not None and chunks is not None and whole[2] == chunks[2]
+        assert torch.equal(whole[0], chunks[0]) and torch.equal(whole[1], chunks[1])
+        changed = weight.detach().clone()
+        changed[-1, 0] += 1e-3  # the last chunk's last row: read in either mode
+        assert gguf_weights._repack_checked(tensor, tensor.tensor_type.name, changed, order, verify,
+                                            rows_per_chunk=8) is None
 
 
 def test_cache_is_reused_and_checked(tmp_path):
@@ -480,3 +535,89 @@ def test_smollm2_real_file(tmp_path, monkeypatch):
     ids = tokenizer(["def fibonacci(n):"], return_tensors="pt").input_ids
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# Converting a GGUF checkpoint (models._convert): tensor by tensor, as transformers loads it.
+
+def write_checkpoint_gguf(model, arch: str, path):
+    """A GGUF file with model's config and every parameter (2-D weights as Q8_0, the rest F32),
+    named by gguf-py's map, as llama.cpp's converter would write it (llama: q / k rows permuted)."""
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(config.vocab_size)
+    arch_id = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    name_map = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        module, _, kind = name.rpartition(".")
+        weight = tensor.numpy()
+        if arch == "llama" and module.endswith(("q_proj", "k_proj")):
+            heads = config.num_attention_heads if module.endswith("q_proj") else config.num_key_value_heads
+            weight = weight[llama_cpp_row_order(weight.shape[0], heads)]
+        gguf_name = f"{name_map.get_name(module)}.{kind}"
+        if weight.ndim == 2:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(weight, QT.Q8_0), raw_dtype=QT.Q8_0)
+        else:
+            writer.add_tensor(gguf_name, weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_gguf_tensors_streamed_as_transformers_loads_them(tmp_path, arch):
+    """models._gguf_tensors_as_hf yields, one at a time, exactly the tensors transformers' own
+    GGUF loader builds all at once (names, row order, values)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    write_checkpoint_gguf(tiny_model(arch), arch, tmp_path / "m.gguf")
+    config = AutoConfig.from_pretrained(str(tmp_path), gguf_file="m.gguf")
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    expected = load_gguf_checkpoint(str(tmp_path / "m.gguf"), return_tensors=True, model_to_load=skeleton)["tensors"]
+    streamed = dict(models._gguf_tensors_as_hf(tmp_path / "m.gguf", config))
+    assert streamed.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert streamed[name].dtype == torch.float32 and torch.equal(streamed[name], tensor.float()), name
+
+
+def test_convert_writes_shards_that_load_as_the_model(tmp_path, monkeypatch):
+    """_convert writes the float32 weights in several shards with an index (small shards here),
+    and the folder loads as the model the GGUF holds; a file missing a tensor is an error."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = tiny_model("qwen2")
+    write_checkpoint_gguf(model, "qwen2", tmp_path / "m.gguf")
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: _NoTokenizer())
+    models._convert(tmp_path / "m.gguf", tmp_path / "converted", shard_bytes=300_000)
+    shards = sorted(p.name for p in (tmp_path / "converted").glob("model-*.safetensors"))
+    assert len(shards) > 2 and (tmp_path / "converted" / "model.safetensors.index.json").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "converted"), dtype=torch.float32)
+    ids = torch.randint(0, 320, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the file's Q8_0 weights, not the model's: close, not equal
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0.05, atol=0.05)
+        direct = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32)
+        assert torch.equal(loaded(ids).logits, direct(ids).logits)
+    deeper = type(loaded.config)(**{**loaded.config.to_dict(), "num_hidden_layers": 3,  # one more than the file
+                                    "layer_types": None})
+    with pytest.raises(RuntimeError, match="no tensor in the file for 12 parameters"):
+        list(models._gguf_tensors_as_hf(tmp_path / "m.gguf", deeper))
+
+
+class _NoTokenizer:
+    """(the test files hold no vocabulary: _convert's tokenizer step saves nothing)"""
+
+    def save_pretrained(self, folder):
+        pass
