@@ -1,4 +1,5 @@
-"""Build of the fsd_ext._C extension with torch.utils.cpp_extension.
+"""Build of the extensions with torch.utils.cpp_extension: fsd_ext._C (the FSD ops) and
+fsd_ext.cpu_linear._C (the CPU linear kernels of decoding, a component the FSD ops do not use).
 
 The CPU kernels are always built. The CUDA kernels (csrc/fsd/cuda/*.cu, csrc/torch/*_cuda.cpp) are
 added when a CUDA toolkit and a CUDA build of torch are both present; FSD_EXT_CUDA=0/1 overrides.
@@ -30,9 +31,8 @@ def want_cuda() -> bool:
     return torch.version.cuda is not None and cpp_extension.CUDA_HOME is not None
 
 
-def extension():
-    cpu_sources = rel("csrc/fsd/cpu/*.cpp") + rel("csrc/torch/*.cpp")
-    cuda_sources = rel("csrc/fsd/cuda/*.cu")  # the torch side of CUDA is csrc/torch/*_cuda.cpp
+def compile_flags():
+    """-> (C++ flags, link flags) of both extensions."""
     cxx_flags = ["-O3", "-std=c++20", "-fno-math-errno", "-fno-trapping-math", "-fopenmp-simd", "-Wall", "-Wno-unknown-pragmas"]
     link_flags = []
     if sys.platform.startswith("linux"):
@@ -46,7 +46,17 @@ def extension():
                     "-fno-omit-frame-pointer", "-O1", "-g", "-DFSD_NO_CLONES"]
         cxx_flags += sanitize
         link_flags += ["-fsanitize=address,undefined"]
-    include_dirs = [os.path.join(ROOT, "csrc")]
+    return cxx_flags, link_flags
+
+
+INCLUDE_DIRS = [os.path.join(ROOT, "csrc")]
+
+
+def fsd_extension():
+    cpu_sources = rel("csrc/fsd/cpu/*.cpp") + rel("csrc/torch/*.cpp")
+    cuda_sources = rel("csrc/fsd/cuda/*.cu")  # the torch side of CUDA is csrc/torch/*_cuda.cpp
+    cxx_flags, link_flags = compile_flags()
+    include_dirs = INCLUDE_DIRS
     if want_cuda():
         if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
             os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
@@ -61,7 +71,14 @@ def extension():
         extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags)
 
 
+def cpu_linear_extension():
+    cxx_flags, link_flags = compile_flags()
+    return cpp_extension.CppExtension(
+        "fsd_ext.cpu_linear._C", rel("csrc/cpu_linear/*.cpp"), include_dirs=INCLUDE_DIRS,
+        extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags)
+
+
 setup(
-    ext_modules=[extension()],
+    ext_modules=[fsd_extension(), cpu_linear_extension()],
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )

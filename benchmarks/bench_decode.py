@@ -8,9 +8,9 @@ median tokens/s (total new tokens / total seconds over the prompts) and the toke
 call (for HF: new tokens / target forwards, counted with a hook). transformers reads the number of
 assistant tokens from the assistant's generation_config, so that is where K is set (hf_assisted);
 hf_assisted_default keeps HF's own choice (K=20 with a confidence-based early stop in 5.x).
-On the CPU fsd_ext.generate computes the models' few-row linears with its own kernel where that
-pays off (fsd_ext.cpu_linear.skinny_pays_off: not for float32 where torch's BLAS is MKL on an
-Intel CPU); hf_assisted+skinny runs HF's assisted generation on models patched with the same
+On the CPU our configs compute the models' few-row linears with fsd_ext's kernel where that pays
+off (as models.load does by default: fsd_ext.cpu_linear.skinny_pays_off, not for float32 where
+torch's BLAS is MKL on an Intel CPU); hf_assisted+skinny runs HF's assisted generation on models patched with the same
 kernel, so there hf_assisted -> hf_assisted+skinny is what the kernel gains and
 hf_assisted+skinny -> sd what the loop gains (float32 on an Intel CPU with MKL: hf_assisted -> sd).
 Float32 models on the CPU store their linear weights in bfloat16 by default (--linear-weights auto:
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fsd_ext  # noqa: E402
 from fsd_ext import models  # noqa: E402
 from fsd_ext.cli import DEMO_PROMPTS, _encode  # noqa: E402
-from fsd_ext.cpu_linear import skinny_cpu_linears  # noqa: E402
+from fsd_ext.cpu_linear import skinny_cpu_linears, skinny_pays_off  # noqa: E402
 from fsd_ext.generate import check_tokenizers  # noqa: E402
 
 
@@ -129,10 +129,12 @@ def main(argv=None):
                                                         args.linear_weights)
     args.dtype = str(dtype).removeprefix("torch.")
     args.linear_weights = str(linear_weights or dtype).removeprefix("torch.")
+    # (the few-row kernel goes in per config below)
     target, tokenizer = models.load(args.target, dtype=dtype, device=args.device,
-                                    linear_weights=linear_weights)
+                                    linear_weights=linear_weights, cpu_linears=False)
     draft, draft_tokenizer = models.load(args.draft, dtype=dtype, device=args.device,
-                                         linear_weights=linear_weights)
+                                         linear_weights=linear_weights, cpu_linears=False)
+    ours_skinny = args.device == "cpu" and skinny_pays_off(dtype)
     check_tokenizers(tokenizer, draft_tokenizer)
     prompts = [_encode(tokenizer, p, True, args.device) for p in DEMO_PROMPTS[:args.num_prompts]]
     counter = ForwardCounter(target)
@@ -150,7 +152,8 @@ def main(argv=None):
                                      None if base == "hf_assisted_default" else args.num_draft_tokens,
                                      args.max_new_tokens, counter)
             else:
-                n, s, c, g = run_ours(target, draft, input_ids, config, args)
+                with skinny_cpu_linears(target, draft, enabled=ours_skinny):
+                    n, s, c, g = run_ours(target, draft, input_ids, config, args)
             tokens, seconds, calls, captures = tokens + n, seconds + s, calls + c, captures + g
         # CUDA graphs are captured per generate call (inside its seconds): their share is reported.
         return tokens / seconds, tokens / calls, captures / seconds

@@ -42,7 +42,7 @@ from typing import List, Optional, Sequence, Union
 
 import torch
 
-from . import cpu_linear, cuda_graphs, ops, reference
+from . import cuda_graphs, ops, reference
 from .kv_cache import StaticKVCache
 from .types import DIVERGENCES, PURPOSE_ACCEPT, RULES
 
@@ -252,8 +252,7 @@ def _as_ids(value, name: str) -> List[int]:
 
 
 def _check_args(target, draft, input_ids, attention_mask, rule, divergence, threshold,
-                num_draft_tokens, temperature, max_new_tokens, use_cuda_graphs, streamer,
-                skinny_cpu_linears):
+                num_draft_tokens, temperature, max_new_tokens, use_cuda_graphs, streamer):
     if rule not in GENERATE_RULES:
         raise ValueError(f"rule must be one of {GENERATE_RULES}, got {rule!r}")
     if divergence not in DIVERGENCES:
@@ -288,9 +287,6 @@ def _check_args(target, draft, input_ids, attention_mask, rule, divergence, thre
         raise ValueError(f"threshold must be a float >= 0, got {threshold!r}")
     if use_cuda_graphs not in ("auto", True, False):
         raise ValueError(f"use_cuda_graphs must be 'auto', True or False, got {use_cuda_graphs!r}")
-    if skinny_cpu_linears not in ("auto", True, False):
-        raise ValueError(f"skinny_cpu_linears must be 'auto', True or False, "
-                         f"got {skinny_cpu_linears!r}")
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("a streamer needs batch size 1 (as in Hugging Face generate)")
     if rule != "ar":
@@ -562,7 +558,7 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
              min_p: Optional[float] = None, div_temperature: Optional[float] = 1.0,
              max_new_tokens: int = 256, eos_token_id: Union[int, Sequence[int], None] = None,
              pad_token_id: Optional[int] = None, seed=None, use_cuda_graphs="auto", streamer=None,
-             output_divergences: bool = False, skinny_cpu_linears="auto") -> GenerateOutput:
+             output_divergences: bool = False) -> GenerateOutput:
     """Generate with the target model, drafting with the draft model (docs/design.md section 8).
 
     Args:
@@ -583,11 +579,6 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
             count the accepted drafts SD would have rejected (stats.sd_rejected_accepted: replays
             each step's coins and needs p(d), q(d), a log-softmax per drafted row and a sort under
             top-p; timed apart in stats.diagnostics_seconds, not in stats.seconds).
-        skinny_cpu_linears: "auto" (on for CPU where it pays off: fsd_ext.cpu_linear.skinny_pays_off,
-            not for float32 with torch's MKL on an Intel CPU), True or False: compute the models'
-            few-row float32 and bfloat16 linears with fsd_ext's kernel during this call
-            (fsd_ext.cpu_linear; same math, other float rounding than stock F.linear); the models
-            are restored on return.
 
     Returns:
         GenerateOutput(sequences [B, P + N] int64, stats GenerateStats).
@@ -597,8 +588,7 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         >>> print(tokenizer.batch_decode(out.sequences), out.stats.summary())
     """
     _check_args(target, draft, input_ids, attention_mask, rule, divergence, threshold,
-                num_draft_tokens, temperature, max_new_tokens, use_cuda_graphs, streamer,
-                skinny_cpu_linears)
+                num_draft_tokens, temperature, max_new_tokens, use_cuda_graphs, streamer)
     start = time.perf_counter()
     device = next(target.parameters()).device
     use_graphs = device.type == "cuda" if use_cuda_graphs == "auto" else bool(use_cuda_graphs)
@@ -611,52 +601,48 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         pad_token_id = getattr(target.generation_config, "pad_token_id", None)
         pad_token_id = pad_token_id if pad_token_id is not None else (
             settings.eos_ids[0] if settings.eos_ids else 0)
-    dtype = next(target.parameters()).dtype
-    fast_linears = (device.type == "cpu" and cpu_linear.skinny_pays_off(dtype) if skinny_cpu_linears == "auto"
-                    else bool(skinny_cpu_linears))
-    with cpu_linear.skinny_cpu_linears(target, draft if settings.speculative else None, enabled=fast_linears):
-        batch, prompt_len = input_ids.shape
-        seeds = _row_seeds(seed, batch).to(device)  # [B]
-        if isinstance(threshold, torch.Tensor):
-            threshold = threshold.to(device, torch.float32)  # [B] per-row thresholds
+    batch, prompt_len = input_ids.shape
+    seeds = _row_seeds(seed, batch).to(device)  # [B]
+    if isinstance(threshold, torch.Tensor):
+        threshold = threshold.to(device, torch.float32)  # [B] per-row thresholds
 
-        # One extra padding slot in front of every row (never attended to), so that the prefill of
-        # all but the last prompt token is never empty and `last_committed` always exists.
-        input_ids = input_ids.to(device, torch.int64)
-        prompt_mask = (torch.ones_like(input_ids) if attention_mask is None
-                       else attention_mask.to(device, torch.int64))  # [B, P]
-        pad = 1 + (prompt_mask == 0).sum(1)  # [B] leading padding slots per row
-        ids = torch.cat([torch.full_like(input_ids[:, :1], pad_token_id), input_ids], 1)  # [B, P+1]
-        capacity = prompt_len + 1 + max_new_tokens + settings.k + 1
-        stats = GenerateStats(rule=rule, num_draft_tokens=settings.k,
-                              accepted_histogram=[0] * (settings.k + 1),
-                              divergences=[] if output_divergences else None)
-        if settings.count_sd_rejections or rule == "sd":
-            stats.sd_rejected_accepted = 0  # sd: by definition
-        cached_models = []  # their graph states (CUDA) go back when the call ends, however it ends
-        try:
-            target_model = _CachedModel(target, pad, capacity, use_graphs)
-            cached_models.append(target_model)
-            draft_model = (_CachedModel(draft, pad, capacity, use_graphs, role="draft")
-                           if settings.speculative else None)
-            cached_models += [draft_model] if draft_model is not None else []
-            prefill_start = time.perf_counter()
-            for cached, prompt in ((target_model, ids), (draft_model, settings.for_draft(ids))):
-                if cached is not None:  # prefill all but the last token
-                    cached(prompt[:, :-1], keep=1, prefill=True)
-                    cached.cache.lengths.fill_(prompt_len)
-            _wait_for_gpu(ids)  # the forwards do not wait for the GPU: the prefill's end does
-            stats.prefill_seconds = time.perf_counter() - prefill_start
+    # One extra padding slot in front of every row (never attended to), so that the prefill of
+    # all but the last prompt token is never empty and `last_committed` always exists.
+    input_ids = input_ids.to(device, torch.int64)
+    prompt_mask = (torch.ones_like(input_ids) if attention_mask is None
+                   else attention_mask.to(device, torch.int64))  # [B, P]
+    pad = 1 + (prompt_mask == 0).sum(1)  # [B] leading padding slots per row
+    ids = torch.cat([torch.full_like(input_ids[:, :1], pad_token_id), input_ids], 1)  # [B, P+1]
+    capacity = prompt_len + 1 + max_new_tokens + settings.k + 1
+    stats = GenerateStats(rule=rule, num_draft_tokens=settings.k,
+                          accepted_histogram=[0] * (settings.k + 1),
+                          divergences=[] if output_divergences else None)
+    if settings.count_sd_rejections or rule == "sd":
+        stats.sd_rejected_accepted = 0  # sd: by definition
+    cached_models = []  # their graph states (CUDA) go back when the call ends, however it ends
+    try:
+        target_model = _CachedModel(target, pad, capacity, use_graphs)
+        cached_models.append(target_model)
+        draft_model = (_CachedModel(draft, pad, capacity, use_graphs, role="draft")
+                       if settings.speculative else None)
+        cached_models += [draft_model] if draft_model is not None else []
+        prefill_start = time.perf_counter()
+        for cached, prompt in ((target_model, ids), (draft_model, settings.for_draft(ids))):
+            if cached is not None:  # prefill all but the last token
+                cached(prompt[:, :-1], keep=1, prefill=True)
+                cached.cache.lengths.fill_(prompt_len)
+        _wait_for_gpu(ids)  # the forwards do not wait for the GPU: the prefill's end does
+        stats.prefill_seconds = time.perf_counter() - prefill_start
 
-            if streamer is not None:
-                streamer.put(input_ids.cpu())
-            generated = _Decoder(settings, target_model, draft_model, ids, seeds, threshold, stats,
-                                 streamer).run()
-            if streamer is not None:
-                streamer.end()
-        finally:
-            for cached in cached_models:
-                cached.release()
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        generated = _Decoder(settings, target_model, draft_model, ids, seeds, threshold, stats,
+                             streamer).run()
+        if streamer is not None:
+            streamer.end()
+    finally:
+        for cached in cached_models:
+            cached.release()
 
     width = max(len(g) for g in generated)
     new_part = torch.full((batch, width), pad_token_id, dtype=torch.int64)  # [B, N]

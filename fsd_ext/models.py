@@ -94,7 +94,7 @@ def default_linear_weights(device: str, dtype: torch.dtype, name_or_path=None):
     """The linear layers' weights when none are given (models.load's linear_weights):
     - "gguf" for a float32 model from a GGUF checkpoint on a CPU where fsd_ext's kernel for them
       pays off (cpu_linear.quant_linears_pay_off): the file's own quantised codes, 0.75-1.25 bytes
-      a weight, every weight the float32 value the model had (fsd_ext.gguf_weights);
+      a weight, every weight the float32 value the model had (fsd_ext.cpu_linear.gguf_weights);
     - else bfloat16 for float32 models on a CPU where fsd_ext's linear kernel beats torch's float32
       BLAS (cpu_linear.skinny_pays_off; not MKL on an Intel CPU, where it was not measured), since
       decoding reads the weights at memory speed and the kernel reads half the bytes, widening them
@@ -262,7 +262,7 @@ def _gguf_tensors_as_hf(gguf: Path, config):
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map, load_gguf_checkpoint)
 
-    from .gguf_weights import release_file_pages
+    from .cpu_linear.gguf_weights import release_file_pages
 
     with torch.device("meta"):  # names and shapes only, no memory
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -380,7 +380,7 @@ def gguf_linears_cache(gguf: Path) -> Path:
 
 def load(name_or_path: str, dtype="auto", device: str = "cpu",
          convert: bool = True, gguf_file: Optional[str] = None,
-         attn_implementation: str = "sdpa", linear_weights="auto"):
+         attn_implementation: str = "sdpa", linear_weights="auto", cpu_linears="auto"):
     """-> (model in eval mode, tokenizer) for a built-in name (BUILTIN), an HF directory or hub id,
     or a path to a .gguf file.
 
@@ -393,9 +393,14 @@ def load(name_or_path: str, dtype="auto", device: str = "cpu",
     weights in `dtype`), or with dtype float32 on the CPU: torch.bfloat16, the linear layers'
     weights stored in bfloat16 and the rest float32 (cpu_linear.store_linear_weights_bfloat16), or
     "gguf" for a GGUF checkpoint, the linear layers reading the file's own quantised codes
-    (gguf_weights.load_gguf_linear_weights; the repacked codes are cached, see
+    (cpu_linear.gguf_weights.load_gguf_linear_weights; the repacked codes are cached, see
     gguf_linears_cache). Pass dtype=torch.float32, linear_weights=None for the plain float32 model.
+    cpu_linears: "auto" (on a CPU where it pays off: cpu_linear.skinny_pays_off), True or False:
+    the model's remaining nn.Linear modules compute few-row products with fsd_ext's CPU kernel
+    (cpu_linear.use_skinny_cpu_linears; same math, another float rounding than F.linear).
     """
+    if cpu_linears not in ("auto", True, False):
+        raise ValueError(f"cpu_linears must be 'auto', True or False, got {cpu_linears!r}")
     dtype, linear_weights = resolve_load_options(name_or_path, device, dtype, linear_weights)
     float32_cpu = dtype == torch.float32 and str(device) == "cpu"
     if linear_weights not in (None, dtype) and not (linear_weights in (torch.bfloat16, "gguf") and float32_cpu):
@@ -429,8 +434,12 @@ def load(name_or_path: str, dtype="auto", device: str = "cpu",
         from .cpu_linear import store_linear_weights_bfloat16
         store_linear_weights_bfloat16(model)
     elif linear_weights == "gguf":
-        from .gguf_weights import load_gguf_linear_weights
+        from .cpu_linear.gguf_weights import load_gguf_linear_weights
         load_gguf_linear_weights(model, gguf, cache_path=gguf_linears_cache(gguf), verify="file")
+    from . import cpu_linear
+
+    if cpu_linears is True or (cpu_linears == "auto" and str(device) == "cpu" and cpu_linear.skinny_pays_off(dtype)):
+        cpu_linear.use_skinny_cpu_linears(model)
     return model, tokenizer
 
 

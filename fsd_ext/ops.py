@@ -23,9 +23,6 @@ except ImportError as error:  # pragma: no cover - only without a build
     _IMPORT_ERROR = error
 
 _LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Input columns per code group of the quant_* ops' formats, by format id (Q4, Q8, Q8G32): the C++
-# side's quant_group_size (csrc/fsd/cpu/quant_gemm.h).
-QUANT_GROUP_SIZE = (32, 16, 32)
 _TOKEN_DTYPES = (torch.int32, torch.int64)
 RowArg = Union[float, torch.Tensor]
 SeedArg = Union[int, torch.Tensor, None]
@@ -64,23 +61,6 @@ if _IMPORT_ERROR is None:
     @torch.library.register_fake("fsd_ext::philox_uniforms")
     def _uniforms_fake(seed, offset, seed_per_row, rows, positions, purpose):
         return seed.new_empty((rows, positions), dtype=torch.float64)
-
-    @torch.library.register_fake("fsd_ext::skinny_linear")
-    def _skinny_linear_fake(x, weight, bias):
-        return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-    @torch.library.register_fake("fsd_ext::quant_linear")
-    def _quant_linear_fake(x, codes, params, format, out_features, bias):
-        return x.new_empty((*x.shape[:-1], out_features))
-
-    @torch.library.register_fake("fsd_ext::quant_linear_prompt")
-    def _quant_linear_prompt_fake(x, codes, params, format, out_features, bias):
-        return x.new_empty((*x.shape[:-1], out_features))
-
-    @torch.library.register_fake("fsd_ext::quant_dequantize")
-    def _quant_dequantize_fake(codes, params, format, out_features, dtype=None):
-        group = QUANT_GROUP_SIZE[format]
-        return params.new_empty((out_features, codes.shape[1] * group), dtype=dtype or torch.float32)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -110,7 +110,8 @@ def main():
         print(f"check_cpu_vectorization: {cxx} is not GCC (the report read is GCC's); skipped")
         return 0
     print(f"== {version[0]}")
-    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "fsd", "cpu", "*.cpp")))
+    sources = sorted(glob.glob(os.path.join(ROOT, "csrc", "fsd", "cpu", "*.cpp"))
+                     + glob.glob(os.path.join(ROOT, "csrc", "cpu_linear", "*_gemm.cpp")))
     found, misses, baseline_misses = check(sources, cxx, args.list)
     total = sum(found.values())
     print(f"== {total} instances of the hot loops ({', '.join(f'{n} {k}' for k, n in found.items())}); "

@@ -4,7 +4,7 @@
 # the target_clones pass) on some code that GCC 12 compiles, which once cost a GPU session its build
 # (benchmarks/results/gpu-h200-2026-11-30) and would fail `pip install` on those systems; the
 # workaround is in csrc/fsd/cpu/row_ops.h (Dist::log_prob_float), and this check keeps it honest.
-# Per GCC release: the CPU kernels, test_core and test_quant_gemm with setup.py's cxx_flags, both run; then
+# Per GCC release: the CPU kernels, test_core, test_quant_gemm and test_skinny_gemm with setup.py's cxx_flags, both run; then
 # every CUDA kernel through nvcc with GCC 13 as the host compiler (PTX for sm_90 only, no ptxas:
 # the host code is what GCC compiles, and it does not depend on the architecture).
 #
@@ -54,19 +54,19 @@ status=0
 for v in $VERSIONS; do
   echo "== $(in_root "g++-$v --version | head -n 1")"
   objs=""
-  for src in csrc/fsd/cpu/*.cpp; do
+  for src in csrc/fsd/cpu/*.cpp csrc/cpu_linear/skinny_gemm.cpp csrc/cpu_linear/quant_gemm.cpp; do
     obj="/tmp/$(basename "$src" .cpp).gcc$v.o"
     if ! in_root "cd /src && g++-$v $FLAGS -fPIC -Icsrc -c $src -o $obj" >"$LOG/gcc$v-$(basename "$src").log" 2>&1; then
       echo "FAILED: g++-$v on $src"; head -n 30 "$LOG/gcc$v-$(basename "$src").log"; status=1
     fi
     objs="$objs $obj"
   done
-  for test in test_core test_quant_gemm; do
-    if (( status == 0 )) && ! in_root "cd /src && g++-$v $FLAGS -Icsrc csrc/fsd/tests/$test.cpp $objs -o /tmp/$test.gcc$v && /tmp/$test.gcc$v" \
-        >"$LOG/gcc$v-$test.log" 2>&1; then
-      echo "FAILED: $test built by g++-$v"; tail -n 30 "$LOG/gcc$v-$test.log"; status=1
+  for test in fsd/tests/test_core cpu_linear/tests/test_quant_gemm cpu_linear/tests/test_skinny_gemm; do
+    if (( status == 0 )) && ! in_root "cd /src && g++-$v $FLAGS -Icsrc -Icsrc/fsd/tests csrc/$test.cpp $objs -o /tmp/${test##*/}.gcc$v && /tmp/${test##*/}.gcc$v" \
+        >"$LOG/gcc$v-${test##*/}.log" 2>&1; then
+      echo "FAILED: $test built by g++-$v"; tail -n 30 "$LOG/gcc$v-${test##*/}.log"; status=1
     fi
-    (( status == 0 )) && echo "   CPU kernels compile; $(tail -n 1 "$LOG/gcc$v-$test.log")"
+    (( status == 0 )) && echo "   CPU kernels compile; $(tail -n 1 "$LOG/gcc$v-${test##*/}.log")"
   done
 done
 

@@ -56,7 +56,7 @@ cmake -S "$ROOT" -B "$WORK/core" -DFSD_SANITIZE=ON -DFSD_CUDA=OFF -DCMAKE_BUILD_
 CTEST_ARGS=()
 if (( SLICE_ONLY )); then
   # (the C++ unit tests, not test_cuda_sim: its fixed checks alone take minutes under ASan)
-  UNIT_TESTS=(test_core test_sanitize_core test_quant_gemm)
+  UNIT_TESTS=(test_core test_sanitize_core test_quant_gemm test_skinny_gemm)
   cmake --build "$WORK/core" -j "$JOBS" --target "${UNIT_TESTS[@]}" > "$WORK/build_core.log" 2>&1 \
     || { tail -50 "$WORK/build_core.log"; exit 1; }
   CTEST_ARGS=(-R "^($(IFS='|'; echo "${UNIT_TESTS[*]}"))\$")
@@ -96,7 +96,7 @@ LIBUBSAN=$(g++ -print-file-name=libubsan.so)
 
 # The slice: the fuzz tests at a sanitizer-sized example count, opcheck (without torch.compile),
 # concurrency, and the kernel-vs-reference tests without the large-vocabulary cases.
-SLICE=(tests/test_fuzz.py tests/test_opcheck.py tests/test_threads_memory.py)
+SLICE=(tests/test_fuzz.py tests/test_opcheck.py tests/cpu_linear/test_opcheck_cpu_linear.py tests/test_threads_memory.py)
 [ -f "$WORK/py/tests/test_accept.py" ] && SLICE+=(tests/test_accept.py)
 step "python slice under ASan/UBSan: ${SLICE[*]}"
 set +e

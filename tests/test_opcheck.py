@@ -3,8 +3,8 @@ AOT dispatch, for representative inputs.
 
 The verification ops' arguments are recorded from the public front end (fsd_ext.accept /
 divergence / sample / philox_uniforms), so each check runs the op exactly as the library calls it;
-the CPU linear ops are called directly, once per quantised format. A newly registered op fails
-test_every_registered_op_is_checked until it has a case here.
+A newly registered op fails test_every_registered_op_is_checked until it has a case here. (The CPU
+linear ops of fsd_ext.cpu_linear have their own: tests/cpu_linear/test_opcheck_cpu_linear.py.)
 """
 
 from __future__ import annotations
@@ -19,10 +19,6 @@ if fsd_ops._IMPORT_ERROR is not None:  # pragma: no cover
     pytest.skip("fsd_ext._C is not built", allow_module_level=True)
 
 OP_NAMES = ("accept", "divergence", "sample", "philox_uniforms")
-# Ops without tensor arguments (what the CPU offers, a process-wide switch): nothing for opcheck.
-TENSORLESS_OPS = {"skinny_linear_bf16_dot", "skinny_linear_avx2", "quant_linear_path", "quant_linear_amx",
-                  "quant_linear_use_amx"}
-QUANT_FORMATS = {"q4": 0, "q8": 1, "q8g32": 2}  # format ids of the quant_* ops
 
 
 def recorded_calls(monkeypatch, body):
@@ -106,57 +102,6 @@ def _tensors(out):
     return [out] if isinstance(out, torch.Tensor) else list(out)
 
 
-def quant_weight(format_name, out_features, in_features, seed=0):
-    """Random codes and params in the quant_* ops' layout (any bytes are valid codes)."""
-    fmt = QUANT_FORMATS[format_name]
-    group = fsd_ops.QUANT_GROUP_SIZE[fmt]
-    code_bytes, params_per_group = (128 if format_name == "q8g32" else 64), (8 if format_name == "q4" else 4)
-    blocks, groups = -(-out_features // 4), in_features // group
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 256, (blocks, groups, code_bytes), dtype=torch.uint8, generator=g)
-    params = torch.rand(blocks, groups, params_per_group, generator=g) * 0.01
-    return codes, params, fmt
-
-
-def linear_cases():
-    """(op, args, opcheck's test_utils or None for all) of the CPU linear ops."""
-    skinny_utils = ("test_schema", "test_faketensor", "test_aot_dispatch_static")
-    yield "skinny_linear", (torch.ops.fsd_ext.skinny_linear.default,
-                            (torch.randn(3, 24), torch.randn(10, 24), torch.randn(10)), skinny_utils)
-    for name in QUANT_FORMATS:
-        codes, params, fmt = quant_weight(name, 10, 64)
-        bias = torch.randn(10)
-        yield f"quant_linear_{name}", (torch.ops.fsd_ext.quant_linear.default,
-                                        (torch.randn(3, 64), codes, params, fmt, 10, bias), None)
-        yield f"quant_linear_prompt_{name}", (torch.ops.fsd_ext.quant_linear_prompt.default,
-                                               (torch.randn(2, 20, 64), codes, params, fmt, 10, None), None)
-        for dtype in (None, torch.bfloat16):
-            yield f"quant_dequantize_{name}_{dtype}", (torch.ops.fsd_ext.quant_dequantize.default,
-                                                        (codes, params, fmt, 10, dtype), None)
-
-
-LINEAR_CASES = dict(linear_cases()) if fsd_ops._IMPORT_ERROR is None else {}
-
-
-@pytest.mark.parametrize("case", sorted(LINEAR_CASES))
-def test_opcheck_linear(case):
-    op, args, test_utils = LINEAR_CASES[case]
-    if test_utils is None:
-        torch.library.opcheck(op, args)
-    else:
-        torch.library.opcheck(op, args, test_utils=test_utils)
-
-
-@pytest.mark.parametrize("name", sorted(QUANT_FORMATS))
-def test_quant_dequantize_fake_shape_matches_the_kernel(name):
-    """The fake kernel's output shape is the kernel's for every format (each has its group size)."""
-    codes, params, fmt = quant_weight(name, 6, 96)
-    real = torch.ops.fsd_ext.quant_dequantize(codes, params, fmt, 6)
-    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-        fake = torch.ops.fsd_ext.quant_dequantize(mode.from_tensor(codes), mode.from_tensor(params), fmt, 6)
-    assert tuple(fake.shape) == tuple(real.shape) == (6, 96)
-
-
 def registered_ops():
     return {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names() if name.startswith("fsd_ext::")}
 
@@ -166,10 +111,8 @@ def test_every_registered_op_is_checked(monkeypatch):
     for body in CASES.values():
         seen |= {op._qualified_op_name.split("::")[1] for op, _ in recorded_calls(monkeypatch, body)}
     assert seen == set(OP_NAMES)
-    seen |= {op._schema.name.split("::")[1] for op, _, _ in LINEAR_CASES.values()}
-    unchecked = registered_ops() - seen - TENSORLESS_OPS
+    unchecked = registered_ops() - seen
     assert not unchecked, f"registered ops without an opcheck case in {__file__}: {sorted(unchecked)}"
-    assert TENSORLESS_OPS <= registered_ops()
 
 
 @pytest.mark.parametrize("dynamic", [False, True])

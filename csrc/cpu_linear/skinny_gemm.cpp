@@ -10,13 +10,13 @@
 // bfloat16 ones widened in a register as they are loaded (the portable loop written that way
 // compiled to accumulators kept on the stack). Both prefetch the next block of weights by hand.
 // The measurements behind these choices: docs/cpu.md ("The few-row kernel's design choices").
-#include "fsd/cpu/skinny_gemm.h"
+#include "cpu_linear/skinny_gemm.h"
 
 #include <algorithm>
 #include <vector>
 
 #include "fsd/cpu/vec.h"
-#include "fsd/cpu/x86_sums.h"  // FSD_X86_INTRINSICS: GCC on x86-64, else the portable loops alone
+#include "cpu_linear/x86_sums.h"  // FSD_X86_INTRINSICS: GCC on x86-64, else the portable loops alone
 
 namespace fsd {
 namespace cpu {

@@ -1,34 +1,26 @@
-"""Faster float32 and bfloat16 `nn.Linear` on the CPU for the few-row inputs of decoding.
+"""The CPU linear kernels of decoding: faster few-row `nn.Linear` products on the CPU.
+
+A component of its own beside the FSD core (which does not use it): its C++ is csrc/cpu_linear/,
+its torch ops `torch.ops.fsd_cpu_linear.*` live in their own extension (fsd_ext.cpu_linear._C).
+`fsd_ext.models.load` puts it into the models it loads where it pays off; for a model of your
+own, `use_skinny_cpu_linears(model)`, `store_linear_weights_bfloat16(model)` or
+`gguf_weights.load_gguf_linear_weights(model, path)`. `fsd_ext.generate` runs whatever modules the
+models have.
 
 CPU decoding is bound by reading the weights: the target's verification multiplies K+1 rows by
-every weight matrix, the draft's catch-up 2 rows, an AR or draft step one. `skinny_linear` calls
-the extension's `fsd_ext::skinny_linear` kernel (csrc/fsd/cpu/skinny_gemm.cpp), which streams each
-weight row from memory once for all rows of x (at most MAX_ROWS); without the compiled extension it
-computes float32 as (W @ x^T)^T, which lets the BLAS stream W in its stored layout. Same products,
-another summation order: results differ from F.linear by float rounding only
-(tests/test_cpu_linear.py).
+every weight matrix, the draft's catch-up 2 rows, an AR or draft step one.
 
-Where it pays off (`skinny_pays_off`: a fixed rule, not a timing, so that two runs round alike;
-the measurements are in docs/cpu.md, "The linear layers of CPU decoding"):
+- `skinny_linear` (csrc/cpu_linear/skinny_gemm.cpp) streams each float32 or bfloat16 weight row
+  from memory once for all rows of x (at most MAX_ROWS); where it pays off (`skinny_pays_off`, a
+  fixed rule so that two runs round alike): bfloat16 with AVX512-BF16 (the CPU's bfloat16 dot
+  product on the stored weights), bfloat16 with AVX2 (widened in registers), float32 unless
+  torch's BLAS is MKL on an Intel CPU. `Bfloat16WeightLinear` keeps bfloat16 weights under float32
+  activations (half the weight bytes).
+- `QuantWeightLinear` (csrc/cpu_linear/quant_gemm.cpp) keeps a GGUF file's own 4-8-bit codes
+  (0.75-1.25 bytes a weight), every weight exactly the file's float32 value.
 
-- bfloat16 on a CPU with AVX512-BF16 (`bf16_dot_available()`; Intel Cooper Lake and later, AMD
-  Zen 4 and later): the kernel multiplies with the CPU's bfloat16 dot product straight from the
-  stored weights, faster than F.linear at 1-6 rows on every linear shape of the Qwen2.5-Coder pair.
-- float32, unless torch's BLAS is MKL on an Intel CPU. On an AMD EPYC MKL's few-row path costs 2-3x
-  its one-row product; on an Intel Xeon MKL takes its fast paths and whole forwards of the Qwen
-  pair were faster with F.linear, so float32 stays with F.linear there.
-- bfloat16 without AVX512-BF16: the kernel widens the weights to float32, in registers with AVX2
-  (`avx2_available()`), else in cache (half the bytes, all the float32 work). With AVX2 it wins at
-  every row count on the pair's large shapes; without it one row stays with F.linear.
-
-- bfloat16 weights with float32 activations (`store_linear_weights_bfloat16`, a
-  `Bfloat16WeightLinear` per layer; what `fsd-ext` and `models.load` do for float32 models where
-  float32 pays off, `models.default_linear_weights`): half the weight bytes, everything else
-  float32, so forwards are faster than the float32 model's on the kernel.
-
-fsd_ext.generate switches it on for its own forwards on the CPU where it pays off
-(`skinny_cpu_linears="auto"`) and restores the models' modules when it returns;
-`use_skinny_cpu_linears(model)` switches it on for good (e.g. for other decoding loops).
+Each kernel stays only while it beats what PyTorch ships for the same job end to end by 1.25x
+or more on some supported CPU: the measurements are in docs/cpu.md.
 """
 
 from __future__ import annotations
@@ -41,7 +33,30 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import ops
+try:
+    from . import _C  # noqa: F401  (registers torch.ops.fsd_cpu_linear.*)
+    _IMPORT_ERROR = None
+except ImportError as error:  # pragma: no cover - only without a build
+    _IMPORT_ERROR = error
+
+# Input columns per code group of the quant_* ops' formats, by format id (Q4, Q8, Q8G32): the C++
+# side's quant_group_size (csrc/cpu_linear/quant_gemm.h).
+QUANT_GROUP_SIZE = (32, 16, 32)
+
+if _IMPORT_ERROR is None:  # fake kernels: output shapes for torch.compile and FakeTensor tracing
+
+    @torch.library.register_fake("fsd_cpu_linear::skinny_linear")
+    def _skinny_linear_fake(x, weight, bias):
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    @torch.library.register_fake("fsd_cpu_linear::quant_linear")
+    def _quant_linear_fake(x, codes, params, format, out_features, bias):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+    @torch.library.register_fake("fsd_cpu_linear::quant_dequantize")
+    def _quant_dequantize_fake(codes, params, format, out_features, dtype=None):
+        group = QUANT_GROUP_SIZE[format]
+        return params.new_empty((out_features, codes.shape[1] * group), dtype=dtype or torch.float32)
 
 MAX_ROWS = 16  # the kernel's limit (kSkinnyMaxRows); prefill-sized inputs keep F.linear's GEMM
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -148,8 +163,8 @@ def store_linear_weights_bfloat16(model: torch.nn.Module) -> int:
 class QuantWeightLinear(torch.nn.Module):
     """A linear layer whose weight is stored as small integer codes with a float scale (and
     offset) per group of 32 (format "q4", 4-bit codes; "q8g32", 8-bit codes) or 16 ("q8", 8-bit
-    codes) input features, in the layout of csrc/fsd/cpu/quant_gemm.h: a GGUF checkpoint's own
-    quantised weights, repacked by fsd_ext.gguf_weights.load_gguf_linear_weights, which makes these
+    codes) input features, in the layout of csrc/cpu_linear/quant_gemm.h: a GGUF checkpoint's own
+    quantised weights, repacked by fsd_ext.cpu_linear.gguf_weights.load_gguf_linear_weights, which makes these
     modules. Every weight is exactly the float32 value the checkpoint's dequantisation gives;
     decoding reads 0.75 (q4), 1.125 (q8g32) or 1.25 (q8) bytes per weight instead of bfloat16's 2
     or float32's 4.
@@ -157,12 +172,9 @@ class QuantWeightLinear(torch.nn.Module):
     codes: uint8 [ceil(out / 4), in / group, 64 (q4, q8) or 128 (q8g32)]; params: float32
     [ceil(out / 4), in / group, 8 (q4) or 4 (q8, q8g32)]; bias: float32 [out] or None. Input and
     output are float32 (another floating dtype is computed in float32 and cast back). Few-row CPU
-    inputs (decoding: 1..MAX_ROWS rows) go to the fsd_ext kernel; more rows (a prompt) in bfloat16
-    on CPUs where that is much faster (prompt_matmul_dtype) to the kernel's AMX tiles where
-    quant_linear_amx() and the format is q4 or q8 (quant_linear_prompt: W and x rounded to
-    bfloat16, float32 sums, y not rounded; faster than the mm path below on the Intel Xeon:
-    docs/cpu.md), else to torch.mm on cache-sized blocks of dequantised rows (float32, or bfloat16
-    with y rounded to bfloat16; set `prompt_dtype` to torch.float32, or use
+    inputs (decoding: 1..MAX_ROWS rows) go to the fsd_ext kernel; more rows (a prompt) to torch.mm
+    on cache-sized blocks of dequantised rows, in bfloat16 on CPUs where that is much faster
+    (prompt_matmul_dtype; y rounded to bfloat16; set `prompt_dtype` to torch.float32, or use
     set_prompt_dtype(model, torch.float32), for float32 there too); other devices, autograd, or a
     build without the extension dequantise with torch ops.
     """
@@ -201,15 +213,10 @@ class QuantWeightLinear(torch.nn.Module):
         native = _native_op()
         on_cpu = x.device.type == "cpu" and self.codes.device.type == "cpu"
         if native is not None and on_cpu and not needs_grad and 0 < rows <= MAX_ROWS:
-            return torch.ops.fsd_ext.quant_linear(x, self.codes, self.params, _QUANT_FORMAT_ID[self.format],
+            return torch.ops.fsd_cpu_linear.quant_linear(x, self.codes, self.params, _QUANT_FORMAT_ID[self.format],
                                                   self.out_features, self.bias)
         if native is not None and on_cpu and not needs_grad:
             bfloat16_product = self.prompt_matmul_dtype() == torch.bfloat16
-            tiles = quant_linear_amx() and self.format != "q8g32"  # (the tiles decode q4 and q8)
-            if bfloat16_product and tiles:  # the same rounding, on tiles, one launch
-                return torch.ops.fsd_ext.quant_linear_prompt(x, self.codes, self.params,
-                                                             _QUANT_FORMAT_ID[self.format], self.out_features,
-                                                             self.bias)
             block = max(4, _WIDENED_BLOCK_BYTES // (4 * self.in_features) // 4 * 4)
             if bfloat16_product:
                 def rows(begin: int, end: int) -> torch.Tensor:
@@ -224,8 +231,7 @@ class QuantWeightLinear(torch.nn.Module):
         """The dtype of the product for more than MAX_ROWS rows (a prompt): self.prompt_dtype, or
         when that is None ("auto"), bfloat16 on a CPU with AVX512-BF16 (whose bfloat16 GEMM, AMX
         where it has it, is several times torch's float32 GEMM: docs/cpu.md) and float32 elsewhere.
-        bfloat16 rounds that product's weights and inputs as a bfloat16 model does (and its outputs
-        too, where quant_linear_amx() is false); decoding steps (at most MAX_ROWS rows) always
+        bfloat16 rounds that product's weights, inputs and outputs as a bfloat16 model does; decoding steps (at most MAX_ROWS rows) always
         multiply the float32 weights exactly."""
         if self.prompt_dtype is not None:
             return self.prompt_dtype
@@ -235,7 +241,7 @@ class QuantWeightLinear(torch.nn.Module):
         """Rows [begin, end) of the weight (begin a multiple of 4) by the fsd_ext kernel, float32 or
         rounded to bfloat16."""
         blocks = slice(begin // 4, -(-end // 4))
-        return torch.ops.fsd_ext.quant_dequantize(self.codes[blocks], self.params[blocks],
+        return torch.ops.fsd_cpu_linear.quant_dequantize(self.codes[blocks], self.params[blocks],
                                                   _QUANT_FORMAT_ID[self.format], end - begin, dtype)
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -246,7 +252,7 @@ class QuantWeightLinear(torch.nn.Module):
 
 
 _QUANT_FORMAT_ID = {"q4": 0, "q8": 1, "q8g32": 2}
-_QUANT_GROUP = {name: ops.QUANT_GROUP_SIZE[i] for name, i in _QUANT_FORMAT_ID.items()}
+_QUANT_GROUP = {name: QUANT_GROUP_SIZE[i] for name, i in _QUANT_FORMAT_ID.items()}
 
 
 def dequantize_torch(codes: torch.Tensor, params: torch.Tensor, format: str, out_features: int) -> torch.Tensor:
@@ -266,53 +272,30 @@ def dequantize_torch(codes: torch.Tensor, params: torch.Tensor, format: str, out
 
 @functools.lru_cache(maxsize=None)
 def _native_op():
-    """torch.ops.fsd_ext.skinny_linear, or None when the extension is not built (looked up once:
-    this runs for every linear of every decoding forward)."""
-    return torch.ops.fsd_ext.skinny_linear if ops._IMPORT_ERROR is None else None
+    """torch.ops.fsd_cpu_linear.skinny_linear, or None when the extension is not built (looked up
+    once: this runs for every linear of every decoding forward)."""
+    return torch.ops.fsd_cpu_linear.skinny_linear if _IMPORT_ERROR is None else None
 
 
 @functools.lru_cache(maxsize=None)
 def bf16_dot_available() -> bool:
     """Whether the kernel multiplies bfloat16 weights and activations with the CPU's AVX512-BF16
     dot-product instruction (False without the compiled extension)."""
-    return _native_op() is not None and bool(torch.ops.fsd_ext.skinny_linear_bf16_dot())
+    return _native_op() is not None and bool(torch.ops.fsd_cpu_linear.skinny_linear_bf16_dot())
 
 
 @functools.lru_cache(maxsize=None)
 def avx2_available() -> bool:
     """Whether the kernel takes its AVX2 + FMA path for float32 activations (with float32 weights, or
     bfloat16 ones widened in registers; False without the compiled extension)."""
-    return _native_op() is not None and bool(torch.ops.fsd_ext.skinny_linear_avx2())
+    return _native_op() is not None and bool(torch.ops.fsd_cpu_linear.skinny_linear_avx2())
 
 
 @functools.lru_cache(maxsize=None)
 def quant_linear_path() -> str:
     """The loops QuantWeightLinear's decoding products run on this CPU: "avx512", "avx2" or
     "portable" ("" without the compiled extension)."""
-    return str(torch.ops.fsd_ext.quant_linear_path()) if _native_op() is not None else ""
-
-
-def quant_linear_amx() -> bool:
-    """Whether QuantWeightLinear multiplies decoding steps of 10..16 rows (on weights of 1024 rows or
-    more) on the CPU's AMX-BF16 tiles (exact products: the float32 x goes in as three bfloat16
-    parts; the result differs from the AVX-512 loops by float32 summation order only), and its
-    bfloat16 prompts (more than MAX_ROWS rows) by quant_linear_prompt's tiles. Not cached:
-    use_quant_amx changes it."""
-    return _native_op() is not None and bool(torch.ops.fsd_ext.quant_linear_amx())
-
-
-@contextlib.contextmanager
-def use_quant_amx(enabled: bool):
-    """QuantWeightLinear's AMX path on (where the CPU has it) or off for the duration of the block,
-    process-wide (benchmarks compare the two paths in one run). No-op without the extension."""
-    if _native_op() is None:
-        yield
-        return
-    before = bool(torch.ops.fsd_ext.quant_linear_use_amx(enabled))
-    try:
-        yield
-    finally:
-        torch.ops.fsd_ext.quant_linear_use_amx(before)
+    return str(torch.ops.fsd_cpu_linear.quant_linear_path()) if _native_op() is not None else ""
 
 
 def quant_linears_pay_off() -> bool:

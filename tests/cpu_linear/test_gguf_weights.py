@@ -1,4 +1,4 @@
-"""fsd_ext.gguf_weights and cpu_linear.QuantWeightLinear: a GGUF file's quantised linear weights,
+"""fsd_ext.cpu_linear.gguf_weights and cpu_linear.QuantWeightLinear: a GGUF file's quantised linear weights,
 repacked, are exactly the float32 weights gguf-py's dequantisation gives (bit for bit, every
 supported type), the layers compute F.linear of them up to float rounding on every path, and a
 model's linear layers are swapped only where the file holds exactly their weights."""
@@ -16,10 +16,11 @@ import torch.nn.functional as F
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
-from fsd_ext import cpu_linear, gguf_weights, models, ops  # noqa: E402
+from fsd_ext import cpu_linear, models  # noqa: E402
+from fsd_ext.cpu_linear import gguf_weights  # noqa: E402
 from fsd_ext.cpu_linear import MAX_ROWS, QuantWeightLinear, dequantize_torch  # noqa: E402
 
-needs_ext = pytest.mark.skipif(ops._IMPORT_ERROR is not None, reason="extension not built")
+needs_ext = pytest.mark.skipif(cpu_linear._IMPORT_ERROR is not None, reason="extension not built")
 QT = gguf.GGMLQuantizationType
 
 # Byte offsets of each type's float16 fields (set to finite values; every other bit pattern of a
@@ -107,7 +108,7 @@ def test_packed_weights_are_exact_on_every_path(monkeypatch, type_name, out):
 @pytest.fixture(params=["kernel", "torch"])
 def path(request, monkeypatch):
     """QuantWeightLinear through the compiled kernel, and through its torch-ops fallback."""
-    if request.param == "kernel" and ops._IMPORT_ERROR is not None:
+    if request.param == "kernel" and cpu_linear._IMPORT_ERROR is not None:
         pytest.skip("extension not built")
     if request.param == "torch":
         monkeypatch.setattr(cpu_linear, "_native_op", lambda: None)
@@ -169,74 +170,6 @@ def test_forward_casts_other_dtypes_and_backpropagates():
 
 
 @needs_ext
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0"])
-def test_amx_path_matches_the_vector_loops(type_name):
-    """use_quant_amx switches the AMX path (csrc/fsd/cpu/quant_amx.cpp) off and back on; where the
-    CPU has AMX-BF16, both paths give the float32 product for every row count (they may differ by
-    summation order), and below the tiles' threshold (10 rows, kQuantAmxMinRows) or without AMX
-    both run the same loops, bit for bit."""
-    layer, weight, b = quant_layer(type_name, 1030, 256, bias=True)
-    has_amx = cpu_linear.quant_linear_amx()
-    with cpu_linear.use_quant_amx(False):
-        assert not cpu_linear.quant_linear_amx()
-    assert cpu_linear.quant_linear_amx() == has_amx  # restored
-    for rows in range(1, MAX_ROWS + 1):
-        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
-        with torch.no_grad():
-            with cpu_linear.use_quant_amx(False):
-                vector = layer(x)
-            best = layer(x)
-        assert_float32_product(vector, x, weight, b)
-        assert_float32_product(best, x, weight, b)
-        if not has_amx or rows < 10:
-            assert torch.equal(best, vector)  # the same loops
-
-
-def assert_bfloat16_operands_product(y, x, weight, bias=None):
-    """y is bf16(x) bf16(W)^T + bias summed in float32: within 1e-5 of the sum of |terms| of the
-    float64 product of the rounded operands (each product is exact in float32)."""
-    assert_float32_product(y, x.bfloat16().float(), weight.bfloat16().float(), bias)
-
-
-@needs_ext
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0"])
-@pytest.mark.parametrize("rows", [1, 17, 45, 300])
-def test_prompt_op_rounds_operands_not_sums(type_name, rows):
-    """quant_linear_prompt (AMX tiles where the CPU has them, else plain loops): the product of x
-    and W rounded to bfloat16 with float32 sums, for any number of rows; with the tiles off the
-    same values by the loops (another summation order). y is not rounded, unlike a bfloat16 GEMM."""
-    layer, weight, b = quant_layer(type_name, 70, 768, bias=True)  # 24 tiles of 32 columns: 3 passes
-    x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
-    args = (layer.codes, layer.params, cpu_linear._QUANT_FORMAT_ID[layer.format], 70, layer.bias)
-    y = torch.ops.fsd_ext.quant_linear_prompt(x, *args)
-    with cpu_linear.use_quant_amx(False):
-        y_loops = torch.ops.fsd_ext.quant_linear_prompt(x, *args)
-    for got in (y, y_loops):
-        assert_bfloat16_operands_product(got, x, weight, b)
-        assert not torch.equal(got, got.bfloat16().float())  # not rounded to bfloat16 afterwards
-    assert torch.ops.fsd_ext.quant_linear_prompt(x.reshape(1, rows, -1), *args).shape == (1, rows, 70)
-
-
-@needs_ext
-def test_prompt_rows_take_the_tiles_where_the_cpu_has_them():
-    """More than MAX_ROWS rows with prompt_dtype bfloat16: quant_linear_prompt where
-    quant_linear_amx() (y not rounded), else quant_dequantize + a bfloat16 mm (y rounded)."""
-    layer, weight, b = quant_layer("Q4_K", 131, 256, bias=True)
-    cpu_linear.set_prompt_dtype(torch.nn.Sequential(layer), torch.bfloat16)
-    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        with cpu_linear.use_quant_amx(False):
-            blas = layer(x)
-        best = layer(x)
-    torch.testing.assert_close(blas, best, rtol=1e-2, atol=1e-2)
-    if cpu_linear.quant_linear_amx():
-        assert_bfloat16_operands_product(best, x, weight, b)
-        assert torch.equal(best, torch.ops.fsd_ext.quant_linear_prompt(x, layer.codes, layer.params, 0, 131, layer.bias))
-    else:
-        assert torch.equal(best, blas)
-
-
-@needs_ext
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
 def test_kernel_matches_float64_on_model_sizes(type_name):
     """Every row count 1..16 on the 1.5B model's down projection shape, against float64."""
@@ -262,20 +195,20 @@ def test_constructor_checks_shapes():
 
 @needs_ext
 @pytest.mark.parametrize("call,match", [
-    (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x, c.int(), p, 0, 8, None), "codes must be a contiguous uint8"),
-    (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x, c, p[..., :4].contiguous(), 0, 8, None), "params must be"),
-    (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x, c, p, 3, 8, None), "format must be 0"),
-    (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x, c, p, 2, 8, None), r"codes must be a contiguous uint8 \[blocks, groups, 128\]"),
-    (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x, c, p, 0, 9, None), r"out_features must be in \(4, 8\]"),
-    (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x[:, :32], c, p, 0, 8, None), r"x must be \[..., 256\]"),
-    (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x.double(), c, p, 0, 8, None), "x must be float32"),
-    (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x.expand(17, 256), c, p, 0, 8, None), "1 to 16 rows"),
-    (lambda c, p, x: torch.ops.fsd_ext.quant_linear(x, c, p, 0, 8, torch.zeros(7)), r"bias must be a float32 \[8\]"),
-    (lambda c, p, x: torch.ops.fsd_ext.quant_dequantize(c, p, 1, 8), "params must be"),
-    (lambda c, p, x: torch.ops.fsd_ext.quant_linear_prompt(x[:, :0], c, p, 0, 8, None), r"x must be \[..., 256\]"),
-    (lambda c, p, x: torch.ops.fsd_ext.quant_linear_prompt(x[:0], c, p, 0, 8, None), "at least 1 row"),
-    (lambda c, p, x: torch.ops.fsd_ext.quant_linear_prompt(x.half(), c, p, 0, 8, None), "x must be float32"),
-    (lambda c, p, x: torch.ops.fsd_ext.quant_linear_prompt(x, c, p, 0, 9, None), r"out_features must be in \(4, 8\]"),
+    (lambda c, p, x: torch.ops.fsd_cpu_linear.quant_linear(x, c.int(), p, 0, 8, None), "codes must be a contiguous uint8"),
+    (lambda c, p, x: torch.ops.fsd_cpu_linear.quant_linear(x, c, p[..., :4].contiguous(), 0, 8, None), "params must be"),
+    (lambda c, p, x: torch.ops.fsd_cpu_linear.quant_linear(x, c, p, 3, 8, None), "format must be 0"),
+    (lambda c, p, x: torch.ops.fsd_cpu_linear.quant_linear(x, c, p, 2, 8, None), r"codes must be a contiguous uint8 \[blocks, groups, 128\]"),
+    (lambda c, p, x: torch.ops.fsd_cpu_linear.quant_linear(x, c, p, 0, 9, None), r"out_features must be in \(4, 8\]"),
+    (lambda c, p, x: torch.ops.fsd_cpu_linear.quant_linear(x[:, :32], c, p, 0, 8, None), r"x must be \[..., 256\]"),
+    (lambda c, p, x: torch.ops.fsd_cpu_linear.quant_linear(x.double(), c, p, 0, 8, None), "x must be float32"),
+    (lambda c, p, x: torch.ops.fsd_cpu_linear.quant_linear(x.expand(17, 256), c, p, 0, 8, None), "1 to 16 rows"),
+    (lambda c, p, x: torch.ops.fsd_cpu_linear.quant_linear(x, c, p, 0, 8, torch.zeros(7)), r"bias must be a float32 \[8\]"),
+    (lambda c, p, x: torch.ops.fsd_cpu_linear.quant_dequantize(c, p, 1, 8), "params must be"),
+    (lambda c, p, x: torch.ops.fsd_cpu_linear.quant_linear(x[:, :0], c, p, 0, 8, None), r"x must be \[..., 256\]"),
+    (lambda c, p, x: torch.ops.fsd_cpu_linear.quant_linear(x[:0], c, p, 0, 8, None), "1 to 16 rows"),
+    (lambda c, p, x: torch.ops.fsd_cpu_linear.quant_linear(x.half(), c, p, 0, 8, None), "x must be float32"),
+    (lambda c, p, x: torch.ops.fsd_cpu_linear.quant_dequantize(c, p, 0, 9), r"out_features must be in \(4, 8\]"),
 ])
 def test_ops_reject_bad_arguments(call, match):
     layer, _, _ = quant_layer("Q4_K", 8, 256)

@@ -7,16 +7,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fsd_ext import cpu_linear, ops
+from fsd_ext import cpu_linear
 from fsd_ext.cpu_linear import MAX_ROWS, skinny_linear, use_skinny_cpu_linears
 
-needs_ext = pytest.mark.skipif(ops._IMPORT_ERROR is not None, reason="extension not built")
+needs_ext = pytest.mark.skipif(cpu_linear._IMPORT_ERROR is not None, reason="extension not built")
 
 
 @pytest.fixture(params=["kernel", "matmul"])
 def path(request, monkeypatch):
     """Run a test through the compiled kernel and through the (W @ x^T)^T fallback."""
-    if request.param == "kernel" and ops._IMPORT_ERROR is not None:
+    if request.param == "kernel" and cpu_linear._IMPORT_ERROR is not None:
         pytest.skip("extension not built")
     if request.param == "matmul":
         monkeypatch.setattr(cpu_linear, "_native_op", lambda: None)
@@ -48,7 +48,7 @@ def test_kernel_matches_float64_on_model_sizes():
     for rows in range(1, MAX_ROWS + 1):
         x = torch.randn(rows, 1536, generator=gen)
         exact = (x.double() @ weight.double().t() + bias.double()).float()
-        torch.testing.assert_close(torch.ops.fsd_ext.skinny_linear(x, weight, bias), exact,
+        torch.testing.assert_close(torch.ops.fsd_cpu_linear.skinny_linear(x, weight, bias), exact,
                                    rtol=1e-4, atol=1e-3)
 
 
@@ -62,7 +62,7 @@ def test_kernel_bfloat16_matches_float32_product_rounded(rows, bias):
     weight = torch.randn(257, 1539, generator=gen).bfloat16()  # odd sizes: the kernel's tails
     b = torch.randn(257, generator=gen).bfloat16() if bias else None
     x = torch.randn(rows, 1539, generator=gen).bfloat16()
-    out = torch.ops.fsd_ext.skinny_linear(x, weight, b)
+    out = torch.ops.fsd_cpu_linear.skinny_linear(x, weight, b)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 257)
     exact = x.double() @ weight.double().t() + (b.double() if bias else 0.0)
     # One bfloat16 rounding (relative 2^-8) plus float32 summation error.
@@ -130,7 +130,7 @@ def test_default_dtype(monkeypatch, dot):
 ])
 def test_kernel_rejects_bad_arguments(x, weight, bias, match):
     with pytest.raises(RuntimeError, match=match):
-        torch.ops.fsd_ext.skinny_linear(x, weight, bias)
+        torch.ops.fsd_cpu_linear.skinny_linear(x, weight, bias)
 
 
 def test_non_contiguous_input_and_other_dtypes_fall_through():
@@ -198,27 +198,28 @@ def test_cpu_vendor_reads_this_machine():
 
 
 @needs_ext
-@pytest.mark.parametrize("dtype", ["bfloat16", "q4"])
-def test_bench_cpu_linear_runs(tmp_path, dtype):
-    """benchmarks/bench_cpu_linear.py on one small shape: a row per (shape, rows), written out."""
+def test_bench_cpu_linear_runs(tmp_path):
+    """benchmarks/cpu_linear/bench_cpu_linear.py on small shapes: a row per (shape, rows) with a time
+    for every path asked for, written out; a misspelt shape or path is an error."""
     import importlib.util
     import json
     from pathlib import Path
 
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_cpu_linear.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_linear" / "bench_cpu_linear.py"
     spec = importlib.util.spec_from_file_location("bench_cpu_linear", script)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     output = tmp_path / "out.json"
+    paths = "fsd q4,torch int4,fsd q8g32,torch int8,fsd bf16,F.linear f32"
     rows = bench.main(["--shapes", "0.5b/k_proj,1.5b/k_proj", "--rows", "1,3", "--repeats", "1",
-                       "--set-mb", "1", "--dtype", dtype, "--output", str(output)])
+                       "--set-mb", "1", "--paths", paths, "--output", str(output)])
     assert [(r["shape"], r["rows"]) for r in rows] == [
         ("0.5b/k_proj", 1), ("0.5b/k_proj", 3), ("1.5b/k_proj", 1), ("1.5b/k_proj", 3)]
-    assert all(r["kernel_ms"] > 0 and r["f_linear_over_kernel"] > 0 for r in rows)
-    assert all((r.get("bf16_kernel_over_kernel", 0) > 0) == (dtype == "q4") for r in rows)
+    assert all(set(r["ms"]) == set(paths.split(",")) and min(r["ms"].values()) > 0 for r in rows)
     assert json.loads(output.read_text())["results"] == rows
-    with pytest.raises(SystemExit):  # a misspelt shape is an error, not an empty table
-        bench.main(["--shapes", "0.5b/kproj", "--output", str(output)])
+    for bad in (["--shapes", "0.5b/kproj"], ["--paths", "fsd q5"]):
+        with pytest.raises(SystemExit):
+            bench.main([*bad, "--output", str(output)])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,7 +241,7 @@ def _bf16_weight_case(rows, out, inp, seed=3):
 def test_kernel_float32_x_bfloat16_weight(rows, inp):
     """float32 x and bias with a bfloat16 weight: float32 sums of the exact products, float32 out."""
     x, weight, bias, exact = _bf16_weight_case(rows, 131, inp)
-    y = torch.ops.fsd_ext.skinny_linear(x, weight, bias)
+    y = torch.ops.fsd_cpu_linear.skinny_linear(x, weight, bias)
     assert y.dtype == torch.float32 and y.shape == (rows, 131)
     torch.testing.assert_close(y, exact, rtol=1e-4, atol=1e-3)
     # negative control: float32 x rounded to bfloat16 first (what a bfloat16 model computes) is
@@ -341,3 +342,26 @@ def test_load_rejects_other_linear_weight_combinations(dtype, device, weights):
     from fsd_ext import models
     with pytest.raises(ValueError, match="linear_weights must be"):
         models.load("no-such-model", dtype=dtype, device=device, linear_weights=weights)
+
+
+@pytest.mark.parametrize("setting,pays_off,patched", [("auto", True, True), ("auto", False, False),
+                                                      (True, False, True), (False, True, False)])
+def test_load_puts_the_kernel_in_where_it_pays_off(monkeypatch, setting, pays_off, patched):
+    """models.load(cpu_linears=...): "auto" routes the model's nn.Linear modules through
+    skinny_linear on a CPU where it pays off (cpu_linear.skinny_pays_off), True always, False never."""
+    transformers = pytest.importorskip("transformers")
+    from fsd_ext import models
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    tiny = transformers.LlamaForCausalLM(config)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: type("Tokenizer", (), {"pad_token_id": 0})())
+    monkeypatch.setattr(models, "resolve", lambda name: name)
+    monkeypatch.setattr(cpu_linear, "skinny_pays_off", lambda dtype: pays_off)
+    model, _ = models.load("some/folder", dtype=torch.float32, linear_weights=None, cpu_linears=setting)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(("forward" in m.__dict__) == patched for m in linears)
+    with pytest.raises(ValueError, match="cpu_linears must be"):
+        models.load("some/folder", dtype=torch.float32, linear_weights=None, cpu_linears="yes")

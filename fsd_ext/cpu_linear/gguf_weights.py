@@ -6,7 +6,7 @@ rounding from exact. Transformers dequantises them to float32 on load, so a mode
 file and decoded in float32 (or rounded to bfloat16) streams 4 (2) bytes per weight from memory for
 what the file holds in 4.5-8.5 bits. `load_gguf_linear_weights(model, path)` reads the file's codes
 again and swaps each nn.Linear whose weight they give for a QuantWeightLinear holding them repacked
-(csrc/fsd/cpu/quant_gemm.h): 0.75 bytes per weight for the 4-bit types, 1.125 for Q5_0 and Q8_0,
+(csrc/cpu_linear/quant_gemm.h): 0.75 bytes per weight for the 4-bit types, 1.125 for Q5_0 and Q8_0,
 1.25 for Q6_K, and the very float32 weights the model had (checked to the bit against the module's weight before
 the swap; a layer that differs, or whose type is not below, keeps its module).
 
@@ -23,7 +23,7 @@ the swap; a layer that differs, or whose type is not below, keeps its module).
 In each case the product of the code and the scale is exact in float32 (d and dmin are float16
 values, sc_j and m_j small integers), so `fma(code, scale, offset)`, which the kernel computes,
 rounds once, as transformers' numpy dequantisation (gguf.quants) does: the same float32 weight.
-tests/test_gguf_weights.py checks every type against gguf.quants.dequantize bit for bit.
+tests/cpu_linear/test_gguf_weights.py checks every type against gguf.quants.dequantize bit for bit.
 
 Tensor names follow gguf-py's HF <-> GGUF name map for the file's architecture; for `llama` files
 the q/k projections' rows are reordered back as transformers does on load (llama.cpp's converter
@@ -299,13 +299,13 @@ def _gguf_tensor(tensors, name_map, module_name: str, model):
 
 
 def _linear_modules(model):
-    from .cpu_linear import Bfloat16WeightLinear
+    from . import Bfloat16WeightLinear
     return [(name, module) for name, module in model.named_modules()
             if type(module) in (torch.nn.Linear, Bfloat16WeightLinear)]
 
 
 def _swap(model, name: str, module, codes, params, fmt: str, type_name: str, report: Report) -> None:
-    from .cpu_linear import QuantWeightLinear
+    from . import QuantWeightLinear
 
     weight = module.weight
     out, in_features = weight.shape
@@ -332,7 +332,7 @@ def _from_cache(model, cache_path: Path, gguf_path: Path, report: Report) -> boo
 
     from safetensors import safe_open
 
-    from .cpu_linear import dequantize_torch
+    from . import dequantize_torch
 
     if not cache_path.exists():
         return False

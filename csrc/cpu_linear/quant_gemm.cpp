@@ -10,17 +10,15 @@
 // Against skinny_gemm's AVX512-BF16 path on bfloat16 weights Q4 wins at 1-2 rows, where both are
 // bound by memory, and about evens at 6, where both are bound by multiply-adds (docs/cpu.md, "The
 // quantised-weight kernel's design choices"; benchmarks/bench_cpu_linear.py measures it as built).
-#include "fsd/cpu/quant_gemm.h"
+#include "cpu_linear/quant_gemm.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <type_traits>
 
-#include "fsd/cpu/quant_amx.h"
-#include "fsd/cpu/skinny_gemm.h"  // avx2_available, bf16_dot_available: the CPU checks of both kernels
+#include "cpu_linear/skinny_gemm.h"  // avx2_available, bf16_dot_available: the CPU checks of both kernels
 #include "fsd/cpu/vec.h"
-#include "fsd/cpu/x86_sums.h"
+#include "cpu_linear/x86_sums.h"
 
 namespace fsd {
 namespace cpu {
@@ -343,7 +341,7 @@ TaskFn task_for(QuantFormat format) {
 
 TaskFn select_task(const QuantGemm& g) {
 #if FSD_X86_INTRINSICS
-  if ((g.path == QuantPath::Best || g.path == QuantPath::Amx || g.path == QuantPath::Avx512) &&
+  if ((g.path == QuantPath::Best || g.path == QuantPath::Avx512) &&
       quant_avx512_available())
     return task_for<Avx512>(g.w.format);
   if (g.path != QuantPath::Portable && avx2_available()) return task_for<Avx2>(g.w.format);
@@ -389,21 +387,7 @@ void dequantize_rows(const QuantWeights& w, int64_t row_begin, int64_t row_end, 
   dequantize_rows_portable<F>(w, row_begin, row_end, out, out_bf16);
 }
 
-std::atomic<bool> amx_enabled{true};
-
-// (The tiles decode Q4 and Q8 only.)
-bool takes_tiles(const QuantGemm& g) {
-  if (g.w.format == QuantFormat::Q8G32) return false;
-  if (g.path == QuantPath::Amx) return quant_amx_hardware();
-  return g.path == QuantPath::Best && g.rows >= kQuantAmxMinRows && g.w.out >= kQuantAmxMinOut &&
-         quant_amx_available();
-}
-
 }  // namespace
-
-bool quant_amx_available() { return amx_enabled.load(std::memory_order_relaxed) && quant_amx_hardware(); }
-
-bool set_quant_amx_enabled(bool enabled) { return amx_enabled.exchange(enabled); }
 
 bool quant_avx512_available() {
 #if FSD_X86_INTRINSICS
@@ -415,48 +399,12 @@ bool quant_avx512_available() {
 }
 
 void quant_gemm(const QuantGemm& g, const ParallelFor& parallel_for) {
-  if (takes_tiles(g)) return quant_gemm_amx(g, parallel_for);
   const int64_t blocks = (g.w.out + kQuantBlockRows - 1) / kQuantBlockRows;
   const int64_t tasks = (blocks + kQuantTaskBlocks - 1) / kQuantTaskBlocks;
   const TaskFn task = select_task(g);
   parallel_for(tasks, 1, [&](int64_t begin, int64_t end) {
     task(g, begin * kQuantTaskBlocks, std::min(blocks, end * kQuantTaskBlocks));
   });
-}
-
-namespace {
-
-// quant_prompt_gemm without tiles: x rounded once, each block of W's rows dequantised to bfloat16
-// and multiplied in float32 by plain loops.
-template <QuantFormat F>
-void prompt_gemm_portable(const QuantGemm& g, const ParallelFor& parallel_for) {
-  const int64_t in = g.w.in;
-  std::vector<float> x(g.rows * in);
-  for (int64_t n = 0; n < g.rows; ++n)
-    for (int64_t k = 0; k < in; ++k) x[n * in + k] = to_float(BFloat16{round_to_bfloat16(g.x[n * g.x_stride + k])});
-  const int64_t blocks = (g.w.out + kQuantBlockRows - 1) / kQuantBlockRows;
-  parallel_for(blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint16_t> w(kQuantBlockRows * in);
-    for (int64_t block = begin; block < end; ++block) {
-      const int64_t o0 = block * kQuantBlockRows, o1 = std::min(g.w.out, o0 + kQuantBlockRows);
-      dequantize_rows_portable<F>(g.w, o0, o1, nullptr, w.data());
-      for (int64_t o = o0; o < o1; ++o)
-        for (int64_t n = 0; n < g.rows; ++n) {
-          float sum = 0.0f;
-          for (int64_t k = 0; k < in; ++k) sum += to_float(BFloat16{w[(o - o0) * in + k]}) * x[n * in + k];
-          g.y[n * g.y_stride + o] = (g.bias ? g.bias[o] : 0.0f) + sum;
-        }
-    }
-  });
-}
-
-}  // namespace
-
-void quant_prompt_gemm(const QuantGemm& g, const ParallelFor& parallel_for) {
-  const bool tiles = g.w.format != QuantFormat::Q8G32 &&
-                     (g.path == QuantPath::Amx ? quant_amx_hardware() : g.path == QuantPath::Best && quant_amx_available());
-  if (tiles) return quant_prompt_gemm_amx(g, parallel_for);
-  with_format(g.w.format, [&](auto format) { prompt_gemm_portable<decltype(format)::value>(g, parallel_for); });
 }
 
 void quant_dequantize(const QuantWeights& w, int64_t row_begin, int64_t row_end, float* out, uint16_t* out_bf16,

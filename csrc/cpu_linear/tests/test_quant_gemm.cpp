@@ -7,9 +7,8 @@
 #include <random>
 #include <vector>
 
-#include "fsd/cpu/quant_amx.h"
-#include "fsd/cpu/quant_gemm.h"
-#include "fsd/cpu/skinny_gemm.h"
+#include "cpu_linear/quant_gemm.h"
+#include "cpu_linear/skinny_gemm.h"
 #include "fsd/cpu/vec.h"
 #include "expect.h"
 
@@ -56,8 +55,7 @@ float weight_at(const Matrix& m, int64_t o, int64_t i) {
 }
 
 constexpr QuantFormat kFormats[] = {QuantFormat::Q4, QuantFormat::Q8, QuantFormat::Q8G32};
-constexpr QuantPath kPaths[] = {QuantPath::Best, QuantPath::Amx, QuantPath::Avx512, QuantPath::Avx2,
-                                QuantPath::Portable};
+constexpr QuantPath kPaths[] = {QuantPath::Best, QuantPath::Avx512, QuantPath::Avx2, QuantPath::Portable};
 
 const fsd::cpu::ParallelFor chunks_of_3 = [](int64_t count, int64_t, const fsd::cpu::RangeFn& body) {
   for (int64_t begin = 0; begin < count; begin += 3) body(begin, std::min(count, begin + 3));
@@ -98,8 +96,7 @@ void check_rows(const char* what, int format, int path, int64_t in, int64_t out,
 // from 16 rows' 384 columns up to whole rows), out not a multiple of 4 (padding rows never stored)
 // and over one task of 64; padded strides, with and without bias; a task-splitting ParallelFor.
 void test_products_match_the_definition() {
-  std::printf("quant_gemm: AMX path %s, AVX-512 path %s, AVX2 path %s\n",
-              fsd::cpu::quant_amx_hardware() ? "checked" : "not on this CPU",
+  std::printf("quant_gemm: AVX-512 path %s, AVX2 path %s\n",
               fsd::cpu::quant_avx512_available() ? "checked" : "not on this CPU",
               fsd::cpu::avx2_available() ? "checked" : "not on this CPU");
   std::mt19937 gen(5);
@@ -178,9 +175,8 @@ void test_golden_values() {
 }
 
 // x = 1 + 2^-23 (the last bit of its float32 significand set) against codes 1, scale 1: every
-// path sums the group to group x (1 + 2^-23), which float32 holds exactly. The AMX path sees that
-// bit only through the third bfloat16 part of x, so a split into fewer parts (or a bfloat16 x)
-// would give exactly `group` instead. Rows 1 (the Amx path asked for) and 2..3 (Best).
+// path sums the group to group x (1 + 2^-23), which float32 holds exactly; a path that rounded x
+// to bfloat16 would give exactly `group` instead.
 void test_last_bit_of_x_counts() {
   const float x_value = 1.0f + std::ldexp(1.0f, -23);
   for (QuantFormat format : kFormats) {
@@ -207,67 +203,9 @@ void test_last_bit_of_x_counts() {
   }
 }
 
-// Nearest-even bfloat16 of a finite float, as a float.
-double bfloat16_value(float value) {
-  const uint32_t bits = fsd::cpu::float_to_bits(value);
-  return fsd::cpu::bits_to_float(((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16) << 16);
-}
-
-// The prompt product (tiles where this CPU has them, and the plain loops) against the sums of the
-// bfloat16-rounded weights and x in double: in with a partial last tile (Q8's odd group counts)
-// and over one pass of 8 tiles; out not a multiple of 16 or 32; rows 1 to 300 (one and two
-// chunks of 256, slab tails); padded strides, with and without bias.
-void test_prompt_products_match_the_definition() {
-  std::printf("quant_prompt_gemm: AMX path %s\n", fsd::cpu::quant_amx_hardware() ? "checked" : "not on this CPU");
-  std::mt19937 gen(7);
-  for (QuantFormat format : kFormats) {
-    const int64_t group = fsd::cpu::quant_group_size(format);
-    for (int64_t in : {group, 3 * group, 17 * group, int64_t(1280)}) {
-      for (int64_t out : {1, 5, 44, 67, 130}) {
-        const Matrix m = random_matrix(format, in, out, gen);
-        std::vector<double> w(out * in);
-        for (int64_t o = 0; o < out; ++o)
-          for (int64_t i = 0; i < in; ++i) w[o * in + i] = bfloat16_value(weight_at(m, o, i));
-        for (QuantPath path : {QuantPath::Amx, QuantPath::Portable}) {
-          for (int64_t rows : {1, 17, 40, 300}) {
-            if (path == QuantPath::Portable && rows == 300 && in == 1280) continue;  // slow, and the same loops
-            check_rows("prompt", (int)format, (int)path, in, out, rows, gen, [&](fsd::cpu::QuantGemm& g) {
-              g.w = m.view(), g.path = path;
-              fsd::cpu::quant_prompt_gemm(g, chunks_of_3);
-            }, [&](float x, int64_t o, int64_t i) { return bfloat16_value(x) * w[o * in + i]; });
-          }
-        }
-      }
-    }
-  }
-}
-
-// The prompt product rounds x: 1 + 2^-8 + 2^-9 (between bfloat16's 1 + 2^-8 and 1 + 2^-7, nearer
-// the second) against weights 1 sums to group (1 + 2^-7) on every path, not group x.
-void test_prompt_rounds_x_to_nearest() {
-  const float x_value = 1.0f + std::ldexp(1.0f, -8) + std::ldexp(1.0f, -9);
-  for (QuantFormat format : kFormats) {
-    const int64_t group = fsd::cpu::quant_group_size(format);
-    Matrix m{format, group, 1, std::vector<uint8_t>(fsd::cpu::quant_code_bytes(format), 0),
-             std::vector<float>(fsd::cpu::quant_params_per_group(format), 0.0f)};
-    for (int j = 0; j < (format == QuantFormat::Q4 ? 16 : group); ++j)
-      m.codes[j] = format == QuantFormat::Q4 ? (uint8_t)0x11 : (uint8_t)1;
-    m.params[0] = 1.0f;
-    for (QuantPath path : {QuantPath::Amx, QuantPath::Portable}) {
-      std::vector<float> x(20 * group, x_value), y(20, 0.0f);
-      fsd::cpu::QuantGemm g;
-      g.w = m.view(), g.x = x.data(), g.x_stride = group, g.y = y.data(), g.y_stride = 1, g.rows = 20, g.path = path;
-      fsd::cpu::quant_prompt_gemm(g);
-      for (float v : y) CHECK(v == (float)group * (1.0f + std::ldexp(1.0f, -7)), "path %d: %.9g", (int)path, v);
-    }
-  }
-}
-
 }  // namespace
 
 int main() {
-  test_prompt_rounds_x_to_nearest();
-  test_prompt_products_match_the_definition();
   test_golden_values();
   test_last_bit_of_x_counts();
   test_dequantize_is_exact();

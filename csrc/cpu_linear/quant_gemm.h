@@ -61,22 +61,10 @@ inline const float* quant_block_params(const QuantWeights& w, int64_t block) {
   return w.params + block * quant_group_count(w) * quant_params_per_group(w.format);
 }
 
-// Which loops compute the product. Best: AMX-BF16 tiles for kQuantAmxMinRows rows or more of x
-// and kQuantAmxMinOut rows or more of W where quant_amx_available(), else the AVX-512 loops, else
-// AVX2 + FMA, else portable C++. The others (tests, benchmarks) ask for one path, and get the next
-// one down where this CPU lacks it; Amx takes the tiles for any row count, whether or not
-// set_quant_amx_enabled. The tiles take Q4 and Q8 only: Q8G32 always runs the loops (Amx: the
-// AVX-512 ones), and quant_prompt_gemm's plain loops.
-enum class QuantPath { Best, Amx, Avx512, Avx2, Portable };
-
-// From this many rows of x Best takes the tiles. Their time hardly grows with the rows (the
-// codes' decoding, the tile products and reading the sums back cost the same for 1 or 16), the
-// AVX-512 loops' grows with them: on the Intel Xeon the two were even at 8 rows and the tiles
-// faster from 10 on (measured: docs/cpu.md, "The quantised-weight kernel's design choices").
-constexpr int64_t kQuantAmxMinRows = 10;
-// ... and W has this many rows or more: the tiles first lay x out for them (on one thread), which
-// a small W does not repay (256 rows: slower than the AVX-512 loops at 12-16 rows of x).
-constexpr int64_t kQuantAmxMinOut = 1024;
+// Which loops compute the product. Best: the AVX-512 loops, else AVX2 + FMA, else portable C++.
+// The others (tests, benchmarks) ask for one path, and get the next one down where this CPU lacks
+// it.
+enum class QuantPath { Best, Avx512, Avx2, Portable };
 
 struct QuantGemm {
   QuantWeights w;
@@ -85,7 +73,7 @@ struct QuantGemm {
   const float* bias = nullptr;  // [out], or nullptr
   float* y = nullptr;  // [rows, out]: row r at y + r * y_stride
   int64_t y_stride = 0;
-  int64_t rows = 0;  // in [1, kQuantMaxRows] (quant_prompt_gemm: any, >= 1)
+  int64_t rows = 0;  // in [1, kQuantMaxRows]
   QuantPath path = QuantPath::Best;
 };
 
@@ -93,29 +81,11 @@ struct QuantGemm {
 // runs where skinny_gemm.h's avx2_available().
 bool quant_avx512_available();
 
-// Whether Best takes the AMX path here: the CPU has AMX-BF16 (with AVX512-BF16), Linux lets this
-// process use the tile state, and set_quant_amx_enabled has not turned it off.
-bool quant_amx_available();
-
-// Turns Best's AMX path off (false) or back on (the default); returns the previous setting. A
-// process-wide switch, like torch.backends' flags: for benchmarks and for comparing the two paths.
-bool set_quant_amx_enabled(bool enabled);
-
 // Blocks per parallel task of quant_gemm (every path): 64 output features.
 constexpr int64_t kQuantTaskBlocks = 16;
 
 // Parallel over tasks of kQuantTaskBlocks blocks.
 void quant_gemm(const QuantGemm& problem, const ParallelFor& parallel_for = serial_for);
-
-// y = x W^T (+ bias) for any number of rows of x (a prompt), with W's weights and x rounded to
-// bfloat16 (nearest even; W's exactly as quant_dequantize's out_bf16, x as torch rounds except
-// that the tiles read a subnormal x as zero) and the products summed in float32 (y itself is not
-// rounded). g.rows >= 1. On AMX-BF16 tiles where quant_amx_available() (g.path Best) or the
-// hardware has them (Amx): cpu_linear.QuantWeightLinear's prompt path there, each weight row decoded
-// once per 256 rows of x and the sums kept in the tiles across groups. Elsewhere (or Portable) a
-// plain loop, slow, which the tests hold the tiles to; without tiles a prompt takes
-// quant_dequantize and a BLAS GEMM instead.
-void quant_prompt_gemm(const QuantGemm& g, const ParallelFor& parallel_for = serial_for);
 
 // The weights of rows [row_begin, row_end) of W into out [row_end - row_begin, in] (the prompt
 // path: cache-sized pieces of W for a BLAS GEMM), as float32 (`out`) or rounded to nearest-even
