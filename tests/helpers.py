@@ -44,6 +44,29 @@ def rows_agree(a, b) -> torch.Tensor:
     return (a.tokens == b.tokens).all(1) & (a.num_accepted == b.num_accepted) & (a.valid == b.valid)
 
 
+def agreement(a, b) -> float:
+    """Fraction of rows whose tokens, num_accepted and valid all agree."""
+    return rows_agree(a, b).float().mean().item()
+
+
+def chi_square_pvalue(counts, probs, *, min_expected=5.0) -> float:
+    """Pearson chi-square p-value of observed `counts` [V] against `probs` [V] (weights, normalised
+    here). Bins expecting fewer than `min_expected` draws are pooled into one, where the chi-square
+    approximation would otherwise not hold; a count in a pool expecting none gives 0."""
+    counts, probs = counts.double().cpu(), probs.double().cpu()
+    expected = probs / probs.sum() * counts.sum()  # [V]
+    rare = expected < min_expected
+    observed = torch.cat([counts[~rare], counts[rare].sum()[None]])
+    expected = torch.cat([expected[~rare], expected[rare].sum()[None]])
+    if expected[-1] == 0:  # nothing expected in the pool: any count there is impossible
+        if observed[-1] > 0:
+            return 0.0
+        observed, expected = observed[:-1], expected[:-1]
+    stat = ((observed - expected) ** 2 / expected).sum()
+    dof = len(expected) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2.0))
+
+
 def agreement_up_to_ties(result, target, draft, tokens, *, seed, offset=0, nudge=1e-5, **kwargs) -> float:
     """Fraction of rows where `result` (a kernel's accept result, on the CPU) equals the reference's,
     a differing row counting as agreeing when the reference gives it with every uniform scaled by

@@ -26,8 +26,9 @@ import pytest
 import torch
 
 from fsd_ext import reference
-from helpers import (FILTER_ROW_SHAPES, agreement_up_to_ties, assert_same_result, astronomical_gap_cases,
-                     below_float_range_cases, filter_rows, float_weight_draws, rows_agree, tiny_rest_cases)
+from helpers import (FILTER_ROW_SHAPES, agreement, agreement_up_to_ties, assert_same_result,
+                     astronomical_gap_cases, below_float_range_cases, chi_square_pvalue, filter_rows,
+                     float_weight_draws, tiny_rest_cases)
 
 pytestmark = [
     pytest.mark.cuda,
@@ -76,11 +77,6 @@ def run_accept(fops, device, target, draft, tokens, **kw):
     kw = {name: to(value, device) for name, value in kw.items()}
     out = fops.accept(target.to(device), draft.to(device), tokens.to(device), **kw)
     return type(out)(*(to(x, "cpu") if x is not None else None for x in out))
-
-
-def agreement(a, b):
-    """Fraction of rows whose tokens, num_accepted and valid all agree."""
-    return rows_agree(a, b).float().mean().item()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -566,14 +562,6 @@ def test_out_of_range_row_values_mark_row_invalid(fops, name, bad):
 # ----------------------------------------------------------------------------------------------
 # Statistics on the GPU.
 
-def chi_square_pvalue(counts, probs):
-    expected = probs * counts.sum()
-    keep = expected > 5
-    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum()
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2.0))
-
-
 @pytest.mark.parametrize("rule", ["sd", "fsd"])
 def test_sd_emits_target_distribution(fops, rule):
     rows, vocab = 200_000, 24
@@ -588,6 +576,7 @@ def test_sd_emits_target_distribution(fops, rule):
     res = fops.accept(target, draft, tokens, rule=rule, threshold=0.0, seed=123)
     counts = torch.bincount(res.tokens[:, 0], minlength=vocab).double().cpu()
     assert chi_square_pvalue(counts, p) > 1e-4
+    assert chi_square_pvalue(counts, q) < 1e-6  # negative control: the draft's distribution fails
     # Acceptance rate of sd is sum(min(p, q)).
     rate = (res.num_accepted == 1).double().mean().item()
     assert abs(rate - torch.minimum(p, q).sum().item()) < 5 * math.sqrt(0.25 / rows)
@@ -606,6 +595,7 @@ def test_fsd_under_threshold_emits_draft_distribution(fops):
     assert bool((res.num_accepted == 1).all())
     counts = torch.bincount(res.tokens[:, 0], minlength=vocab).double().cpu()
     assert chi_square_pvalue(counts, q) > 1e-4
+    assert chi_square_pvalue(counts, target_row.softmax(-1)) < 1e-6  # negative control: p fails
 
 
 # ----------------------------------------------------------------------------------------------
