@@ -49,7 +49,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-# Build outputs (GPU_CHECK_BUILD: another folder, e.g. for tests/test_gpu_check_script.py's dry run).
+# Build outputs (GPU_CHECK_BUILD: another folder, e.g. for benchmarks/tests/test_gpu_check_script.py's dry run).
 BUILD="${GPU_CHECK_BUILD:-$ROOT/build}"
 OUT="${OUT:-$BUILD/gpu_check}"
 WORK="$BUILD/gpu_check_work"  # everything; $OUT gets the archive and the summaries

@@ -17,7 +17,7 @@ import tarfile
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Python stand-in: logs its arguments (and the opt-in switches set) and plays each step's part.
 # FAIL_STAGED=1: the opt-in paths' pytest run fails a staged test.
