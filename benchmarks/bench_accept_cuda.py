@@ -85,7 +85,7 @@ def torch_step(target, draft, tokens, coins, uniforms, threshold: float, rule: s
     temperature and div_temperature 1 (the divergence on the unfiltered distributions, acceptance
     and sampling on the top-p-filtered ones), rule fsd or sd, divergence js or kl. Returns
     (num_accepted [B], correction / bonus token [B], divergences [B, K] or None); checked against
-    fsd_ext.reference on the CPU (tests/test_cuda_build.py)."""
+    fsd_ext.reference on the CPU (benchmarks/tests/test_bench_scripts.py)."""
     k = draft.shape[1]
     zt, zd = target.float(), draft.float()
     logp, logq = zt.log_softmax(-1), zd.log_softmax(-1)  # [B, K+1, V], [B, K, V]

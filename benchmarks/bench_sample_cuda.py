@@ -8,7 +8,7 @@ the split path, eagerly on the one-block-per-row path too (FSD_EXT_CUDA_SPLITS=1
     bytes: the kernel must read them at least once);
   - the same sampler in eager PyTorch (float32 tempered logits, the shape's filter, softmax,
     cumulative sum, inverse CDF of the given uniform: torch_sample below, checked against
-    fsd_ext.reference.sample in tests/test_cuda_build.py), and torch.multinomial on the
+    fsd_ext.reference.sample in benchmarks/tests/test_bench_scripts.py), and torch.multinomial on the
     softmax (what serving code often calls: no filter, its own randomness).
 
 Prints one table; with --out DIR also writes bench_sample_cuda.json and bench_sample_cuda.md.

@@ -8,7 +8,7 @@ Run from the repository root, e.g. a CPU-sized subset:
         --out benchmarks/results/frontier-cpu
 
 and the full sweep on a GPU: `python benchmarks/frontier.py --all --out benchmarks/results/frontier-gpu`.
-Stopped runs resume from <out>/results.jsonl. See fsd_ext/frontier.py for what is measured.
+Stopped runs resume from <out>/results.jsonl. See fsd_ext/bench/__init__.py for what is measured.
 """
 
 import os
@@ -16,7 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fsd_ext.frontier import main  # noqa: E402
+from fsd_ext.bench.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -8,7 +8,7 @@
 #      H200 image sets 9.0a) unless a prebuilt one is carried (below), and calls accept once on the
 #      GPU; meanwhile, in the background, the CPU kernels' sources are compiled with this machine's
 #      C++ compiler (the image's GCC 13 once failed on them while CI's GCC 12 did not);
-#   2. pytest -m cuda tests/test_cuda.py -k "not (staged or pdl or cluster)" (parity CUDA / CPU
+#   2. pytest -m cuda $CUDA_TESTS -k "not (staged or pdl or cluster)" (parity CUDA / CPU
 #      kernel / reference, statistics, CUDA graphs, NaN rows, no host sync, generate with graphs);
 #   3. the opt-in paths, after step 2 so that a fault there cannot spoil step 2's results: the
 #      staged tests and every test of an unfiltered accept call again with FSD_EXT_CUDA_STAGED=1
@@ -49,7 +49,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-# Build outputs (GPU_CHECK_BUILD: another folder, e.g. for tests/test_gpu_check_script.py's dry run).
+# Build outputs (GPU_CHECK_BUILD: another folder, e.g. for benchmarks/tests/test_gpu_check_script.py's dry run).
 BUILD="${GPU_CHECK_BUILD:-$ROOT/build}"
 OUT="${OUT:-$BUILD/gpu_check}"
 WORK="$BUILD/gpu_check_work"  # everything; $OUT gets the archive and the summaries
@@ -64,6 +64,8 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 start=$SECONDS
 status=0
+# The files holding CUDA tests (test_accept.py: its device-parametrized tests' cuda cases).
+CUDA_TESTS="tests/test_cuda.py tests/test_cuda_launch.py tests/test_accept.py"
 # Step 3's selection: the staged tests and every test whose accept calls the staged path can take.
 STAGED_TESTS="staged or accept or split_vocab or greedy_rows or divergence_options or sd_emits or fsd_under"
 STAGED_TESTS+=" or graph_capture or no_host_sync or nan or out_of_range or generate or pdl or cluster"
@@ -166,16 +168,16 @@ print("extension loaded; CUDA accept:", ops.accept(x, x[:, :1], torch.zeros(1, 1
 PY
 check "one accept call on the GPU" "$rc" "$WORK/smoke.log" || true
 
-step "tests (pytest -m cuda tests/test_cuda.py -k 'not (staged or pdl or cluster)')"
+step "tests (pytest -m cuda $CUDA_TESTS -k 'not (staged or pdl or cluster)')"
 rc=0
-limited 150 "$PY" -m pytest -m cuda tests/test_cuda.py -k "not (staged or pdl or cluster)" "${PYTEST_OPTS[@]}" \
+limited 150 "$PY" -m pytest -m cuda $CUDA_TESTS -k "not (staged or pdl or cluster)" "${PYTEST_OPTS[@]}" \
   --junitxml="$WORK/test_cuda.xml" >"$WORK/test_cuda.log" 2>&1 || rc=$?
 tail -n 25 "$WORK/test_cuda.log"
 check "CUDA tests" "$rc" "$WORK/test_cuda.log" || true
 
-step "tests, opt-in paths (FSD_EXT_CUDA_STAGED=1 pytest -m cuda tests/test_cuda.py -k '$STAGED_TESTS')"
+step "tests, opt-in paths (FSD_EXT_CUDA_STAGED=1 pytest -m cuda $CUDA_TESTS -k '$STAGED_TESTS')"
 rc=0
-FSD_EXT_CUDA_STAGED=1 limited 150 "$PY" -m pytest -m cuda tests/test_cuda.py -k "$STAGED_TESTS" "${PYTEST_OPTS[@]}" \
+FSD_EXT_CUDA_STAGED=1 limited 150 "$PY" -m pytest -m cuda $CUDA_TESTS -k "$STAGED_TESTS" "${PYTEST_OPTS[@]}" \
   --junitxml="$WORK/test_cuda_staged.xml" >"$WORK/test_cuda_staged.log" 2>&1 || rc=$?
 tail -n 25 "$WORK/test_cuda_staged.log"
 # An opt-in path that failed its tests (all of them when the run was cut) is not benchmarked.
@@ -286,7 +288,7 @@ for tool in memcheck racecheck; do
   log="$WORK/sanitizer_$tool.log"
   rc=0
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 limited 600 compute-sanitizer --tool "$tool" --target-processes all \
-      "$PY" -m pytest -m cuda tests/test_cuda.py -k "${SANITIZED[$tool]}" -x -q -p no:cacheprovider \
+      "$PY" -m pytest -m cuda $CUDA_TESTS -k "${SANITIZED[$tool]}" -x -q -p no:cacheprovider \
       >"$log" 2>&1 || rc=$?
   tail -n 5 "$log"
   if grep -q "Device not supported" "$log"; then

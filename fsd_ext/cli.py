@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo, max_new_tokens=48)
 
     bench = sub.add_parser("bench", help="benchmarks (frontier: HumanEval pass@1 vs tokens/s sweep)")
-    from .frontier import add_frontier_parser
+    from .bench.cli import add_frontier_parser  # the harness loads only when the CLI is built
 
     add_frontier_parser(bench.add_subparsers(dest="bench_command", required=True))
     return parser

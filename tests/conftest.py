@@ -13,3 +13,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip_slow)
+
+
+@pytest.fixture(scope="module")
+def fops():
+    """fsd_ext.ops for the CUDA tests (test_cuda.py, test_cuda_launch.py)."""
+    from fsd_ext import ops
+
+    ops._ops()  # raises ImportError with a clear message when the extension is not built
+    return ops

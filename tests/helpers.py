@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import fsd_ext
 from fsd_ext import reference
+
+# Where a device-parametrized test runs: "cuda" carries the `cuda` marker (pytest -m cuda selects
+# it) and skips without a GPU.
+CUDA = pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])
+DEVICES = ["cpu", CUDA]
 
 
 def make_problem(batch, k, vocab, *, draft_vocab=None, dtype=torch.float32, scale=2.0, closeness=0.7,
@@ -25,9 +32,42 @@ def make_problem(batch, k, vocab, *, draft_vocab=None, dtype=torch.float32, scal
     return target.to(dtype), draft.to(dtype), tokens.to(token_dtype)
 
 
-def both(target, draft, tokens, **kwargs):
-    """(kernel result, reference result) for the same call."""
-    return fsd_ext.accept(target, draft, tokens, **kwargs), reference.accept(target, draft, tokens, **kwargs)
+def make_case(batch, k, vocab, draft_vocab=None, dtype=torch.float32, scale=3.0, noise=1.0, seed=0,
+              num_draft=False, separated=False):
+    """Random target/draft logits [B, K+1, V_t] / [B, K, V_d], drafts sampled from the draft."""
+    g = torch.Generator().manual_seed(seed)
+    draft_vocab = draft_vocab or vocab
+    if separated:
+        # Distinct logits half a unit apart: no ties and no near-ties anywhere.
+        target = torch.stack([torch.randperm(vocab, generator=g) for _ in range(batch * (k + 1))]).float()
+        target = (target * (8.0 / vocab)).reshape(batch, k + 1, vocab)
+        draft = target[:, :k, :draft_vocab].clone()
+        swap = torch.randperm(draft_vocab, generator=g)[: max(2, draft_vocab // 4)]
+        draft[..., swap] = draft[..., swap.flip(0)]
+    else:
+        target = torch.randn(batch, k + 1, vocab, generator=g) * scale  # [B, K+1, V_t]
+        draft = target[:, :k, :draft_vocab] + noise * torch.randn(batch, k, draft_vocab, generator=g)
+    tokens = torch.multinomial(draft.reshape(-1, draft_vocab).float().softmax(-1), 1, generator=g)
+    tokens = tokens.reshape(batch, k)  # [B, K]
+    nd = torch.randint(0, k + 1, (batch,), generator=g) if num_draft else None
+    return target.to(dtype), draft.to(dtype), tokens, nd
+
+
+def to(x, device):
+    return x.to(device) if isinstance(x, torch.Tensor) else x
+
+
+def run_accept(fops, device, target, draft, tokens, **kw):
+    kw = {name: to(value, device) for name, value in kw.items()}
+    out = fops.accept(target.to(device), draft.to(device), tokens.to(device), **kw)
+    return type(out)(*(to(x, "cpu") if x is not None else None for x in out))
+
+
+def both(target, draft, tokens, device="cpu", **kwargs):
+    """(kernel result, reference result) for the same call; the kernel runs on `device` (its result
+    comes back to the CPU)."""
+    kernel = run_accept(fsd_ext, device, target, draft, tokens, **kwargs)
+    return kernel, reference.accept(target, draft, tokens, **kwargs)
 
 
 def assert_same_result(kernel, ref, *, div_rtol=1e-5, div_atol=1e-6):
@@ -42,6 +82,29 @@ def assert_same_result(kernel, ref, *, div_rtol=1e-5, div_atol=1e-6):
 def rows_agree(a, b) -> torch.Tensor:
     """[B] bool: the rows of two accept results whose tokens, num_accepted and valid all agree."""
     return (a.tokens == b.tokens).all(1) & (a.num_accepted == b.num_accepted) & (a.valid == b.valid)
+
+
+def agreement(a, b) -> float:
+    """Fraction of rows whose tokens, num_accepted and valid all agree."""
+    return rows_agree(a, b).float().mean().item()
+
+
+def chi_square_pvalue(counts, probs, *, min_expected=5.0) -> float:
+    """Pearson chi-square p-value of observed `counts` [V] against `probs` [V] (weights, normalised
+    here). Bins expecting fewer than `min_expected` draws are pooled into one, where the chi-square
+    approximation would otherwise not hold; a count in a pool expecting none gives 0."""
+    counts, probs = counts.double().cpu(), probs.double().cpu()
+    expected = probs / probs.sum() * counts.sum()  # [V]
+    rare = expected < min_expected
+    observed = torch.cat([counts[~rare], counts[rare].sum()[None]])
+    expected = torch.cat([expected[~rare], expected[rare].sum()[None]])
+    if expected[-1] == 0:  # nothing expected in the pool: any count there is impossible
+        if observed[-1] > 0:
+            return 0.0
+        observed, expected = observed[:-1], expected[:-1]
+    stat = ((observed - expected) ** 2 / expected).sum()
+    dof = len(expected) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64), stat / 2.0))
 
 
 def agreement_up_to_ties(result, target, draft, tokens, *, seed, offset=0, nudge=1e-5, **kwargs) -> float:

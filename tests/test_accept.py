@@ -1,15 +1,20 @@
 """The fused CPU kernel against the pure-torch reference: same tokens and counts from the same seed
 (so the same Philox uniforms), divergences within 1e-5 relative, across shapes, dtypes, rules,
-divergences, temperatures, filters, ragged K and smaller draft vocabularies."""
+divergences, temperatures, filters, ragged K and smaller draft vocabularies.
+
+The tests parametrized over `device` hold the CUDA kernels to the same exact checks (the Philox
+streams, the divergence op, probabilities below float's range, astronomical gaps, tiny rest
+buckets); on CUDA they carry the `cuda` marker and skip without a GPU. The CUDA kernels' other
+tests: test_cuda.py and test_cuda_launch.py."""
 
 import pytest
 import torch
 
 import fsd_ext
 from fsd_ext import reference
-from helpers import (FILTER_ROW_SHAPES, agreement_up_to_ties, assert_same_result, astronomical_gap_cases,
-                     below_float_range_cases, both,
-                     filter_rows, float_weight_draws, make_problem, rows_agree, tiny_rest_cases)
+from helpers import (DEVICES, FILTER_ROW_SHAPES, agreement_up_to_ties, assert_same_result,
+                     astronomical_gap_cases, below_float_range_cases, both, filter_rows, float_weight_draws,
+                     make_case, make_problem, rows_agree, tiny_rest_cases)
 
 RULES = ["greedy", "sd", "fsd", "fsd_strict"]
 DIVERGENCES = ["kl", "rkl", "js", "tv", "mkl"]
@@ -133,54 +138,67 @@ def test_minus_inf_logits_inside_the_vocabulary(divergence, masked):
                                rtol=1e-5, atol=1e-6)
 
 
-
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("div_top_k", [None, 3])
 @pytest.mark.parametrize("divergence", DIVERGENCES)
-def test_probabilities_below_float_range_against_zero(divergence, div_top_k, dtype):
+def test_probabilities_below_float_range_against_zero(divergence, div_top_k, dtype, device):
     """A probability 0 by construction against one below float's range but > 0 in float64 makes
-    KL / RKL / MKL +inf, as the reference has it, by fsd_ext.divergence and by accept."""
+    KL / RKL / MKL +inf, as the reference has it, by fsd_ext.divergence and by accept (on CUDA the
+    plain, general and div_top_k paths of pass 2; found by the CUDA simulation)."""
     for name, target, draft, infinite in below_float_range_cases(dtype):
-        d = fsd_ext.divergence(target[:, 0], draft[:, 0], kind=divergence, top_k=div_top_k)
+        d = fsd_ext.divergence(target[:, 0].to(device), draft[:, 0].to(device), kind=divergence,
+                               top_k=div_top_k).cpu()
         r = reference.divergence(target[:, 0], draft[:, 0], kind=divergence, top_k=div_top_k)
         torch.testing.assert_close(d, r, rtol=1e-5, atol=1e-6, msg=name)
         assert d.isinf().all() == (divergence in infinite[div_top_k]), (name, d)
-        kernel, ref = both(target, draft, torch.zeros(2, 1, dtype=torch.long), rule="fsd", divergence=divergence,
-                           threshold=0.4, div_top_k=div_top_k, temperature=0.0, seed=5, return_divergence=True)
+        kernel, ref = both(target, draft, torch.zeros(2, 1, dtype=torch.long), device=device, rule="fsd",
+                           divergence=divergence, threshold=0.4, div_top_k=div_top_k, temperature=0.0, seed=5,
+                           return_divergence=True)
         assert_same_result(kernel, ref)
 
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("divergence", DIVERGENCES)
-def test_log_below_bound_is_zero_by_construction(divergence, dtype):
+def test_log_below_bound_is_zero_by_construction(divergence, dtype, device):
     """A log-probability below about -1.02e20 (a +inf logit's neighbours, or a gap as wide) is 0 by
     construction in both kernels and the reference, at every temperature that puts it there; a
-    gap of 1e19 at temperature 1 stays finite. By fsd_ext.divergence and by accept."""
+    gap of 1e19 at temperature 1 stays finite. By fsd_ext.divergence and by accept, sampling at
+    temperature 1, at the divergence's temperature and greedy (on CUDA: log2 units on the plain
+    path, nats on the general one)."""
     for name, target, draft, temperatures, infinite in astronomical_gap_cases(dtype):
+        tokens = torch.zeros(target.shape[0], 1, dtype=torch.long)
         for temperature in temperatures:
             label = f"{name}, temperature {temperature}"
-            d = fsd_ext.divergence(target[:, 0], draft[:, 0], kind=divergence, temperature=temperature)
+            d = fsd_ext.divergence(target[:, 0].to(device), draft[:, 0].to(device), kind=divergence,
+                                   temperature=temperature).cpu()
             r = reference.divergence(target[:, 0], draft[:, 0], kind=divergence, temperature=temperature)
             torch.testing.assert_close(d, r, rtol=1e-5, atol=1e-6, msg=label)
             assert bool(d.isinf().all()) == (divergence in infinite) and not d.isnan().any(), (label, d)
-            tokens = torch.zeros(target.shape[0], 1, dtype=torch.long)
-            kernel, ref = both(target, draft, tokens, rule="fsd", divergence=divergence, threshold=0.4,
-                               div_temperature=temperature, temperature=1.0, seed=5, return_divergence=True)
-            assert_same_result(kernel, ref)
+            for sampling_temperature in dict.fromkeys((1.0, temperature, 0.0)):
+                kernel, ref = both(target, draft, tokens, device=device, rule="fsd", divergence=divergence,
+                                   threshold=0.4, div_temperature=temperature, temperature=sampling_temperature,
+                                   seed=5, return_divergence=True)
+                assert_same_result(kernel, ref)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("divergence", DIVERGENCES)
-def test_rest_bucket_below_float_range_keeps_its_log(divergence, dtype):
+def test_rest_bucket_below_float_range_keeps_its_log(divergence, dtype, device):
     """div_top_k's rest bucket with a mass below float's range under p: the divergence as the
-    reference has it (RKL / MKL depend on the rest's log), by fsd_ext.divergence and by accept."""
+    reference has it (RKL / MKL depend on the rest's log; CUDA redoes it as a log-sum-exp,
+    exact_tiny_rests), by fsd_ext.divergence and by accept."""
     for name, target, draft, top_k, temperature in tiny_rest_cases(dtype):
-        d = fsd_ext.divergence(target[:, 0], draft[:, 0], kind=divergence, temperature=temperature, top_k=top_k)
+        d = fsd_ext.divergence(target[:, 0].to(device), draft[:, 0].to(device), kind=divergence,
+                               temperature=temperature, top_k=top_k).cpu()
         r = reference.divergence(target[:, 0], draft[:, 0], kind=divergence, temperature=temperature, top_k=top_k)
         torch.testing.assert_close(d, r, rtol=1e-5, atol=1e-6, msg=name)
         tokens = torch.zeros(target.shape[0], 1, dtype=torch.long)
-        kernel, ref = both(target, draft, tokens, rule="fsd", divergence=divergence, threshold=10.0,
-                           div_top_k=top_k, div_temperature=temperature, temperature=0.0, seed=5,
-                           return_divergence=True)
+        kernel, ref = both(target, draft, tokens, device=device, rule="fsd", divergence=divergence,
+                           threshold=10.0, div_top_k=top_k, div_temperature=temperature, temperature=0.0,
+                           seed=5, return_divergence=True)
         assert_same_result(kernel, ref)
 
 
@@ -225,17 +243,24 @@ def test_div_top_k_ties_filters_and_a_smaller_draft_vocab():
         assert_same_result(kernel, ref)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kind", DIVERGENCES)
-def test_divergence_op(dtype, kind):
+def test_divergence_op(dtype, kind, device):
     gen = torch.Generator().manual_seed(0)
     target = (torch.randn(3, 5, 4099, generator=gen) * 2).to(dtype)
     draft = (torch.randn(3, 5, 4099, generator=gen) * 2).to(dtype)
     for temperature in (0.5, 1.0, 3.0):
-        d = fsd_ext.divergence(target, draft, kind=kind, temperature=temperature)
-        assert d.shape == (3, 5) and d.dtype == torch.float32
-        torch.testing.assert_close(d, reference.divergence(target, draft, kind=kind, temperature=temperature),
+        d = fsd_ext.divergence(target.to(device), draft.to(device), kind=kind, temperature=temperature)
+        assert d.shape == (3, 5) and d.dtype == torch.float32 and d.device.type == device
+        torch.testing.assert_close(d.cpu(), reference.divergence(target, draft, kind=kind, temperature=temperature),
                                    rtol=1e-5, atol=1e-6)
+    # A smaller draft vocabulary, with and without div_top_k.
+    target, draft, _, _ = make_case(64, 1, 5000, 4000, dtype=dtype, seed=10)
+    for top_k in (None, 5):
+        got = fsd_ext.divergence(target[:, 0].to(device), draft[:, 0].to(device), kind, 0.8, top_k).cpu()
+        want = reference.divergence(target[:, 0], draft[:, 0], kind, 0.8, top_k)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_divergence_accuracy_at_a_real_vocabulary():
@@ -305,15 +330,28 @@ def test_filter_cutoffs_of_short_and_long_walks(shape, filters):
             assert torch.equal(tokens, reference.sample(logits, temperature=0.8, seed=seeds, **filters))
 
 
-def test_uniforms_op_equals_reference_philox():
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("purpose", ["accept", "sample", "draft"])
+def test_uniforms_match_reference(purpose, per_row, device):
+    """fsd_ext.philox_uniforms is the reference's Philox stream for each purpose: one seed or one
+    per row, as Python ints or device tensors, offsets past 2**32."""
+    code = {"accept": 1, "sample": 2, "draft": 3}[purpose]
+    rows, positions = 37, 9
+    seed = torch.arange(rows, dtype=torch.int64) * 7919 - 5 if per_row else 1234
+    offset = torch.tensor([2**33 + 5], dtype=torch.int64)
+    got = fsd_ext.philox_uniforms(seed.to(device) if per_row else torch.tensor(seed, device=device),
+                                  offset.to(device), rows, positions, purpose)
+    assert torch.equal(got.cpu(), reference.philox_uniforms(seed, int(offset), rows, positions, code))
+    if per_row:
+        seeds = torch.tensor([3, 1, 4], dtype=torch.int64)
+        assert torch.equal(fsd_ext.philox_uniforms(seeds.to(device), 0, 3, 2, purpose).cpu(),
+                           reference.philox_uniforms(seeds, 0, 3, 2, code))
+        return
     for seed in (0, 1, -5, 2**62 + 3):
-        for purpose, code in (("accept", 1), ("sample", 2), ("draft", 3)):
-            u = fsd_ext.philox_uniforms(seed, 11, rows=5, positions=7, purpose=purpose)
-            assert torch.equal(u, reference.philox_uniforms(seed, 11, 5, 7, code))
-            assert (u >= 0).all() and (u < 1).all()
-    per_row = torch.tensor([3, 1, 4], dtype=torch.int64)
-    assert torch.equal(fsd_ext.philox_uniforms(per_row, 0, 3, 2, "accept"),
-                       reference.philox_uniforms(per_row, 0, 3, 2, 1))
+        u = fsd_ext.philox_uniforms(seed, 11, rows=5, positions=7, purpose=purpose, device=device).cpu()
+        assert torch.equal(u, reference.philox_uniforms(seed, 11, 5, 7, code))
+        assert (u >= 0).all() and (u < 1).all()
 
 
 def test_fed_uniforms_reproduce_kernel_tokens():

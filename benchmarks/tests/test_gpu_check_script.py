@@ -17,7 +17,7 @@ import tarfile
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Python stand-in: logs its arguments (and the opt-in switches set) and plays each step's part.
 # FAIL_STAGED=1: the opt-in paths' pytest run fails a staged test.
@@ -28,7 +28,7 @@ case "$*" in
   "-c import pytest_timeout") exit 1 ;;
   "-m pytest"*)
     if [[ "${FSD_EXT_CUDA_STAGED:-}" == 1 && "${FAIL_STAGED:-}" == 1 ]]; then
-      echo "FAILED tests/test_cuda.py::test_staged_path_matches_reference[bf16]"; exit 1
+      echo "FAILED tests/test_cuda_launch.py::test_staged_path_matches_reference[bf16]"; exit 1
     fi
     echo "3 passed" ;;
   "benchmarks/bench_accept_cuda.py"*) echo "target B64 bf16 >= 80% copy BW: NOT MET" ;;
@@ -92,8 +92,9 @@ def test_gpu_check_runs_every_step_in_order(tmp_path):
         return next(i for i, c in enumerate(python_calls) if fragment in c)
 
     # Build, tests, then the opt-in paths' tests (with the staged switch), then both benchmarks.
-    assert index("setup.py build_ext --inplace") < index("-m pytest -m cuda tests/test_cuda.py -k not (staged")
-    staged = python_calls[index("-m pytest -m cuda tests/test_cuda.py -k staged or")]
+    tests = "-m pytest -m cuda tests/test_cuda.py tests/test_cuda_launch.py tests/test_accept.py -k"
+    assert index("setup.py build_ext --inplace") < index(f"{tests} not (staged")
+    staged = python_calls[index(f"{tests} staged or")]
     assert staged.endswith("[STAGED=1]")
     bench = python_calls[index("benchmarks/bench_accept_cuda.py")]
     assert "--variants SPLITS=1,SPLITS=8,SPLITS=32,PDL=1,CLUSTER=1" in bench and "--no-staged" not in bench
@@ -114,7 +115,7 @@ def test_gpu_check_reports_a_failed_step_and_goes_on(tmp_path):
     rc, summary, calls, _, output = dry_run(tmp_path, FAIL_STAGED="1")
     assert rc == 1, output
     assert "CUDA tests, opt-in paths (staged, cluster, PDL): FAILED (rc 1)" in summary
-    assert "FAILED tests/test_cuda.py::test_staged_path_matches_reference[bf16]" in summary
+    assert "FAILED tests/test_cuda_launch.py::test_staged_path_matches_reference[bf16]" in summary
     assert "the staged path failed its tests" in summary
     bench = next(c for c in calls if "bench_accept_cuda.py" in c)
     assert "--no-staged" in bench and "--variants SPLITS=1,SPLITS=8,SPLITS=32,PDL=1,CLUSTER=1" in bench

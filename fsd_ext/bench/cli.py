@@ -1,0 +1,210 @@
+"""The accuracy/speed frontier of FSD on a real model pair: HumanEval pass@1 against tokens/s.
+
+The command line of the sweep (`fsd-ext bench frontier`, benchmarks/frontier.py): arguments, the
+run (decode what is missing, log the invocation) and its summary, table and plots. What is measured:
+fsd_ext/bench/__init__.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+from ..types import DIVERGENCES
+from . import humaneval
+from .env import environment
+from .grid import BENCH_RULES, DEFAULT_THRESHOLDS, Config, build_grid, parse_thresholds
+from .plots import plot_all
+from .runner import Backend, HFBackend, load_model, run_sweep
+from .store import ResultStore, _log_run, latest_setup, read_runs, setup_id
+from .summary import format_table, summarize, target_check, write_summary
+
+
+def _csv_list(text: str, cast=str) -> List:
+    return [cast(x.strip()) for x in text.split(",") if x.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser):
+    from ..models import DEFAULT_DRAFT, DEFAULT_TARGET, names
+    model = parser.add_argument_group("models")
+    model.add_argument("--target", default=DEFAULT_TARGET,
+                       help=f"target model: one of {', '.join(names())}, a folder, a .gguf file or a hub id")
+    model.add_argument("--draft", default=DEFAULT_DRAFT, help="draft model")
+    model.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (None: fsd_ext.models.default_dtype)")
+    model.add_argument("--linear-weights", default="auto", choices=["auto", "same", "bfloat16", "gguf"],
+                       help="the linear layers' weights, as in `fsd-ext generate` (auto: the GGUF "
+                            "file's codes or bfloat16 for float32 CPU models where they pay off)")
+    model.add_argument("--device", default=None, help="cpu | cuda (None: cuda if available)")
+    model.add_argument("--no-cuda-graphs", action="store_true", help="pass use_cuda_graphs=False")
+
+    task = parser.add_argument_group("task")
+    which = task.add_mutually_exclusive_group()
+    which.add_argument("--problems", type=int, default=20, help="the first N HumanEval problems")
+    which.add_argument("--ids", default=None, help="explicit task ids, e.g. 0,3,HumanEval/7")
+    which.add_argument("--all", action="store_true", help="all 164 problems")
+    task.add_argument("--no-chat", action="store_true", help="raw prompts even if the tokenizer has a chat template")
+    task.add_argument("--max-new-tokens", type=int, default=512)
+    task.add_argument("--timeout", type=float, default=10.0, help="seconds per test run")
+
+    grid = parser.add_argument_group("configurations")
+    grid.add_argument("--rules", default=",".join(BENCH_RULES), help="subset of ar,sd,fsd,fsd_strict")
+    grid.add_argument("--divergences", default=",".join(DIVERGENCES), help="subset of js,rkl,kl,tv,mkl")
+    grid.add_argument("--thresholds", default=None,
+                      help="override grids, e.g. 'js=0.1,0.2,0.3;rkl=0.5,1' (defaults: "
+                           + "; ".join(f"{k}={','.join(map(str, v))}" for k, v in DEFAULT_THRESHOLDS.items())
+                           + ")")
+    grid.add_argument("--num-draft-tokens", type=int, default=5)
+    grid.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    grid.add_argument("--top-p", type=float, default=None)
+    grid.add_argument("--seeds", default="0", help="comma-separated seeds (sampling only)")
+    grid.add_argument("--div-temperature", type=float, default=1.0)
+
+    run = parser.add_argument_group("run")
+    run.add_argument("--out", default=os.path.join("benchmarks", "results", "frontier"),
+                     help="output folder (results.jsonl, summary.*, *.png)")
+    run.add_argument("--warmup-tokens", type=int, default=16,
+                     help="an untimed decode of this many tokens before each configuration (0: none)")
+    run.add_argument("--no-sd-check", action="store_true",
+                     help="do not count accepted drafts SD would reject under sampling (generate's "
+                          "coin replay)")
+    run.add_argument("--order", choices=("config", "problem"), default="config",
+                     help="config: one configuration after the other (a progress bar each); problem: "
+                          "every configuration on each problem in turn, so load changes on a shared "
+                          "machine hit all configurations alike")
+    run.add_argument("--summarize-only", action="store_true", help="only rebuild summary and plots")
+    run.add_argument("--no-progress", action="store_true")
+    run.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+
+
+def add_frontier_parser(subparsers) -> argparse.ArgumentParser:
+    """Hook for the CLI: `fsd-ext bench frontier ...` (pass the `bench` command's subparsers)."""
+    parser = subparsers.add_parser("frontier", help="HumanEval pass@1 vs tokens/s sweep over AR/SD/FSD",
+                                   description=__doc__.split("\n\n")[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(parser)
+    parser.set_defaults(func=cli_main)
+    return parser
+
+
+def cli_main(args) -> int:
+    """The `func` that add_frontier_parser registers: run, print, return the exit status."""
+    run_from_args(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="benchmarks/frontier.py", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(parser)
+    return parser
+
+
+def configs_from_args(args) -> List[Config]:
+    return build_grid(rules=_csv_list(args.rules), divergences=_csv_list(args.divergences),
+                      thresholds=parse_thresholds(args.thresholds), temperature=args.temperature,
+                      top_p=args.top_p, seeds=_csv_list(args.seeds, int),
+                      num_draft_tokens=args.num_draft_tokens, div_temperature=args.div_temperature)
+
+
+def problems_from_args(args) -> List[Dict[str, str]]:
+    problems = humaneval.load_problems()
+    if args.all:
+        return problems
+    return humaneval.select_problems(problems, num=None if args.ids else args.problems,
+                                     ids=_csv_list(args.ids) if args.ids else None)
+
+
+def finish(store: ResultStore, setup: Dict[str, Any], out_dir: str, meta: Dict[str, Any],
+           configs: Optional[Sequence[Config]] = None,
+           task_ids: Optional[Iterable[str]] = None) -> List[Dict[str, Any]]:
+    """Summary table, CSV/JSON and plots for the records of `setup` (restricted to `configs` and
+    `task_ids` where given)."""
+    records = store.for_setup(setup_id(setup))
+    if configs is not None:
+        keys = {c.key for c in configs}
+        records = [r for r in records if r["key"] in keys]
+    if task_ids is not None:
+        task_ids = set(task_ids)
+        records = [r for r in records if r["task_id"] in task_ids]
+    rows = summarize(records)
+    if not rows:
+        print("no results yet for this setup")
+        return rows
+    write_summary(rows, out_dir, meta)
+    title = f"{setup.get('target', '')} / {setup.get('draft', '')}, {rows[0]['problems']} problems"
+    plot_all(rows, out_dir, title)
+    print(format_table(rows))
+    check = target_check(rows)
+    print(f"target (FSD within 2 points of SD, >= 1.3x SD tokens/s, longer acceptance): "
+          f"{'met by ' + check['row'] if check['met'] else 'not met: ' + check['reason']}")
+    return rows
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def run_from_args(args, backend: Optional[Backend] = None) -> List[Dict[str, Any]]:
+    """Decode what is missing (unless --summarize-only), then write the summary and plots. The
+    summary's meta lists every invocation that decoded into --out (a resumed sweep has several)."""
+    import torch
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if not args.dtype:
+        from ..models import default_dtype
+        dtype = str(default_dtype(device, args.target)).removeprefix("torch.")
+    else:
+        dtype = args.dtype
+    configs = configs_from_args(args)
+    problems = problems_from_args(args)
+    task_ids = [p["task_id"] for p in problems]
+    store = ResultStore(os.path.join(args.out, "results.jsonl"))
+    command = " ".join(shlex.quote(a) for a in [os.path.basename(sys.executable)] + sys.argv)
+    if args.summarize_only and backend is None:
+        setup = latest_setup(store, args.target, args.draft, args.max_new_tokens)
+        if setup is None:
+            print(f"no results for {args.target} / {args.draft} in {store.path}")
+            return []
+    else:
+        if backend is None:
+            target, tokenizer = load_model(args.target, dtype, device, args.linear_weights)
+            # The same spec twice (a pipeline check: SD then accepts everything) shares one model.
+            draft = (target if args.draft == args.target
+                     else load_model(args.draft, dtype, device, args.linear_weights)[0])
+            backend = HFBackend(target, draft, tokenizer, max_new_tokens=args.max_new_tokens,
+                                use_chat=False if args.no_chat else None,
+                                check_sd=not args.no_sd_check,
+                                use_cuda_graphs=False if args.no_cuda_graphs else "auto",
+                                names={"target": args.target, "draft": args.draft})
+        setup = backend.setup()
+    sid = setup_id(setup)
+    print(f"{len(configs)} configurations x {len(problems)} problems -> {args.out} "
+          f"(setup {sid}, {len(store.for_setup(sid))} records already there)")
+    if not args.summarize_only:
+        env = environment()
+        if not env.get("fsd_ext_compiled"):
+            print("warning: fsd_ext's compiled ops are not built; generate falls back to the "
+                  "pure-torch reference and tokens/s understate the library "
+                  "(python setup.py build_ext --inplace)")
+        run = {"command": command, "setup": setup, "setup_id": sid, "device": device,
+               "problems": task_ids, "configs": [c.key for c in configs], "environment": env,
+               "start": _now()}
+        written = run_sweep(configs, problems, backend, store,
+                            humaneval.SandboxLimits(timeout_s=args.timeout),
+                            progress=not args.no_progress, warmup_tokens=args.warmup_tokens,
+                            order=args.order)
+        run.update(end=_now(), records_written=written,
+                   load_average_end=[round(x, 2) for x in os.getloadavg()])
+        _log_run(args.out, run)
+    meta = {"summary_command": command, "setup": setup, "setup_id": sid, "problems": task_ids,
+            "runs": [r for r in read_runs(args.out) if r.get("setup_id") == sid], "time": _now()}
+    return finish(store, setup, args.out, meta, configs, task_ids)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return cli_main(build_parser().parse_args(argv))

@@ -1,0 +1,135 @@
+"""The sweep's configurations: AR, SD, and FSD / FSD-strict per divergence over a threshold grid,
+greedy or sampled with several seeds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence
+
+from ..types import DIVERGENCES
+
+# Default threshold grids. Ranges: js in [0, ln 2], tv in [0, 1], kl/rkl/mkl unbounded; mkl is the
+# quantity the paper's code calls "js_div", so its grid brackets the paper's 0.4.
+DEFAULT_THRESHOLDS: Dict[str, tuple] = {
+    "js": (0.05, 0.1, 0.2, 0.3, 0.4, 0.5),
+    "rkl": (0.1, 0.25, 0.5, 1.0, 2.0, 4.0),
+    "kl": (0.1, 0.25, 0.5, 1.0, 2.0, 4.0),
+    "tv": (0.1, 0.2, 0.3, 0.4, 0.5, 0.7),
+    "mkl": (0.1, 0.2, 0.4, 0.6, 0.8, 1.2),
+}
+BENCH_RULES = ("ar", "sd", "fsd", "fsd_strict")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One point of the sweep. temperature 0 = greedy."""
+
+    rule: str
+    divergence: Optional[str] = None
+    threshold: Optional[float] = None
+    temperature: float = 0.0
+    top_p: Optional[float] = None
+    seed: int = 0
+    num_draft_tokens: int = 5
+    div_temperature: Optional[float] = 1.0
+
+    def __post_init__(self):
+        if self.rule not in BENCH_RULES:
+            raise ValueError(f"rule must be one of {BENCH_RULES}, got {self.rule!r}")
+        fuzzy = self.rule in ("fsd", "fsd_strict")
+        if fuzzy and (self.divergence not in DIVERGENCES or self.threshold is None):
+            raise ValueError(f"rule {self.rule!r} needs a divergence in {DIVERGENCES} and a threshold")
+        if not fuzzy and (self.divergence is not None or self.threshold is not None):
+            raise ValueError(f"rule {self.rule!r} takes no divergence or threshold")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+    @property
+    def sampling(self) -> str:
+        if self.temperature == 0:
+            return "greedy"
+        return f"t={self.temperature:g}" + (f",top_p={self.top_p:g}" if self.top_p is not None else "")
+
+    @property
+    def group(self) -> str:
+        """Identifies the configuration with seeds pooled (one summary row)."""
+        parts = [self.rule]
+        if self.rule in ("fsd", "fsd_strict"):
+            parts += [self.divergence, f"T={self.threshold:g}"]
+            if self.div_temperature != 1.0:
+                parts.append(f"div_t={self.div_temperature}")
+        if self.rule != "ar":
+            parts.append(f"K={self.num_draft_tokens}")
+        parts.append(self.sampling)
+        return "/".join(parts)
+
+    @property
+    def key(self) -> str:
+        """Identifies one sample per problem (the resume key, with the setup and the task id)."""
+        return self.group if self.temperature == 0 else f"{self.group}/seed={self.seed}"
+
+    @property
+    def label(self) -> str:
+        if self.rule == "ar":
+            return "AR"
+        if self.rule == "sd":
+            return "SD"
+        name = "FSD" if self.rule == "fsd" else "FSD-strict"
+        return f"{name} {self.divergence} T={self.threshold:g}"
+
+    def generate_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments of fsd_ext.generate for this configuration."""
+        kwargs: Dict[str, Any] = dict(rule=self.rule, num_draft_tokens=self.num_draft_tokens,
+                                      temperature=self.temperature, seed=self.seed)
+        if self.top_p is not None:
+            kwargs["top_p"] = self.top_p
+        if self.rule in ("fsd", "fsd_strict"):
+            kwargs.update(divergence=self.divergence, threshold=self.threshold,
+                          div_temperature=self.div_temperature)
+        return kwargs
+
+
+def build_grid(rules: Sequence[str] = BENCH_RULES, divergences: Sequence[str] = DIVERGENCES,
+               thresholds: Optional[Dict[str, Sequence[float]]] = None, temperature: float = 0.0,
+               top_p: Optional[float] = None, seeds: Sequence[int] = (0,), num_draft_tokens: int = 5,
+               div_temperature: Optional[float] = 1.0) -> List[Config]:
+    """AR and SD first (the references), then FSD and FSD-strict per divergence and threshold.
+    Greedy decoding uses only the first seed (the seed changes nothing)."""
+    unknown = set(rules) - set(BENCH_RULES)
+    if unknown:
+        raise ValueError(f"unknown rules {sorted(unknown)}; choose from {BENCH_RULES}")
+    bad_div = set(divergences) - set(DIVERGENCES)
+    if bad_div:
+        raise ValueError(f"unknown divergences {sorted(bad_div)}; choose from {DIVERGENCES}")
+    grid = dict(DEFAULT_THRESHOLDS)
+    grid.update({name: tuple(values) for name, values in (thresholds or {}).items()})
+    seeds = list(seeds)[:1] if temperature == 0 else list(seeds)
+    common = dict(temperature=temperature, top_p=top_p, num_draft_tokens=num_draft_tokens)
+    configs = []
+    for seed in seeds:
+        configs += [Config(rule, seed=seed, **common) for rule in ("ar", "sd") if rule in rules]
+        for rule in ("fsd", "fsd_strict"):
+            if rule not in rules:
+                continue
+            for divergence in divergences:
+                configs += [Config(rule, divergence, float(t), seed=seed,
+                                   div_temperature=div_temperature, **common)
+                            for t in grid[divergence]]
+    return configs
+
+
+def parse_thresholds(text: Optional[str]) -> Dict[str, tuple]:
+    """'js=0.1,0.2;rkl=0.5,1' -> {'js': (0.1, 0.2), 'rkl': (0.5, 1.0)}."""
+    out: Dict[str, tuple] = {}
+    for part in (text or "").split(";"):
+        if not part.strip():
+            continue
+        name, _, values = part.partition("=")
+        name = name.strip()
+        if name not in DIVERGENCES or not values.strip():
+            raise ValueError(f"--thresholds expects 'div=t1,t2;div=...' with div in {DIVERGENCES}, got {part!r}")
+        thresholds = tuple(float(v) for v in values.split(",") if v.strip())
+        if any(t < 0 for t in thresholds):
+            raise ValueError(f"thresholds must be >= 0, got {thresholds}")
+        out[name] = thresholds
+    return out

@@ -1,0 +1,318 @@
+"""Decoding one HumanEval prompt under one configuration, and the sweep that scores them all.
+
+The decoding itself is behind a small interface (`Backend.complete(config, prompt) -> Generation`);
+`HFBackend` drives fsd_ext.generate on a Hugging Face target/draft pair, tests use fakes.
+`run_sweep` decodes and scores every (configuration, problem) not yet in the result store.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from . import humaneval
+from .grid import Config
+from .humaneval import PROMPT_VERSION
+from .store import ResultStore, setup_id
+
+
+@dataclass
+class Generation:
+    """One completion of one prompt."""
+
+    text: str                          # the generated text (after the prompt, up to EOS)
+    new_tokens: int                    # generated tokens, EOS included
+    seconds: float                     # wall time of the generate call
+    target_calls: int = 0              # target forward passes (prefill included)
+    draft_calls: int = 0               # draft forward passes (prefill included)
+    target_seconds: Optional[float] = None
+    draft_seconds: Optional[float] = None
+    prefill_seconds: Optional[float] = None  # prompt forwards, when generate reports them
+    capture_seconds: Optional[float] = None  # CUDA graph warm-ups and captures, when reported
+    accepted_hist: List[int] = field(default_factory=list)  # steps that accepted 0, 1, .. K drafts
+    accepted_drafts: float = 0.0       # accepted drafts, summed over verification steps
+    verify_steps: int = 0              # verification steps (target calls that checked drafts)
+    sd_rejected: Optional[int] = None  # accepted drafts that SD alone would have rejected
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+class Backend:
+    """Turns a prompt into a Generation under a configuration."""
+
+    chat: bool = False  # whether prompts use the chat template (decides how completions are cut)
+
+    def prompt(self, problem: Dict[str, str]) -> str:
+        return problem["prompt"]
+
+    def complete(self, config: Config, prompt: str) -> Generation:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def warmup(self, config: Config, prompt: str, tokens: int):
+        """An untimed short decode before a configuration is measured (default: nothing)."""
+
+    def setup(self) -> Dict[str, Any]:
+        """What, besides the configuration, decides the outputs (part of the resume key)."""
+        return {}
+
+
+_STAT_NAMES = {  # our name -> the name in fsd_ext.GenerateStats (or a dict of a fake generate)
+    "target_calls": "target_forwards",
+    "draft_calls": "draft_forwards",
+    "target_seconds": "target_seconds",
+    "draft_seconds": "draft_seconds",
+    "accepted_hist": "accepted_histogram",
+    "accepted_drafts": "accepted_drafts",
+    "verify_steps": "verifications",
+    # Accepted drafts that plain SD would have rejected (fsd_ext.generate counts them under greedy
+    # decoding, and under sampling with output_divergences=True).
+    "sd_rejected": "sd_rejected_accepted",
+    # Seconds in the prompt forwards (target and draft): the summary's decode-only tokens/s, which
+    # on a CPU differs a lot from the end-to-end rate.
+    "prefill_seconds": "prefill_seconds",
+    # Seconds capturing CUDA graphs (a per-call setup cost, like the prompt forwards).
+    "capture_seconds": "capture_seconds",
+    # Seconds generate spent on diagnostics (the sampled SD-rejection count), left out of the timing.
+    "diagnostics_seconds": "diagnostics_seconds",
+}
+
+
+def _stat(stats: Any, ours: str):
+    name = _STAT_NAMES[ours]
+    return stats.get(name) if isinstance(stats, dict) else getattr(stats, name, None)
+
+
+def _jsonable(value: Any):
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    if hasattr(value, "__dict__"):
+        return _jsonable(vars(value))
+    return str(value)
+
+
+def stats_to_generation(stats: Any, text: str, new_tokens: int, seconds: float,
+                        rule: str) -> Generation:
+    """Map generate's stats (an object or a dict, names as in _STAT_NAMES) onto a Generation."""
+    hist = _stat(stats, "accepted_hist")
+    hist = [int(h) for h in _jsonable(hist)] if hist is not None else []
+    target_calls = int(_stat(stats, "target_calls") or 0)
+    accepted, steps = _stat(stats, "accepted_drafts"), _stat(stats, "verify_steps")
+    if rule == "ar":
+        accepted, steps = 0.0, 0
+    elif accepted is None or steps is None:  # from the histogram of accepted lengths
+        steps = sum(hist)
+        accepted = float(sum(i * h for i, h in enumerate(hist)))
+    else:
+        accepted, steps = float(accepted), int(steps)
+    sd_rejected = _stat(stats, "sd_rejected")
+    return Generation(text=text, new_tokens=new_tokens, seconds=seconds, target_calls=target_calls,
+                      draft_calls=int(_stat(stats, "draft_calls") or 0),
+                      target_seconds=_stat(stats, "target_seconds"),
+                      draft_seconds=_stat(stats, "draft_seconds"),
+                      prefill_seconds=_stat(stats, "prefill_seconds"),
+                      capture_seconds=_stat(stats, "capture_seconds"),
+                      accepted_hist=hist, accepted_drafts=accepted, verify_steps=steps,
+                      sd_rejected=None if sd_rejected is None else int(sd_rejected),
+                      extra={"stats": _jsonable(stats)})
+
+
+def default_eos_ids(model, tokenizer) -> List[int]:
+    """The tokenizer's EOS and the model's generation-config EOS ids (chat models end turns with
+    their own token, e.g. Qwen's <|im_end|>)."""
+    ids = []
+    for value in (getattr(tokenizer, "eos_token_id", None),
+                  getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        for token in (value if isinstance(value, (list, tuple)) else [value]):
+            if token is not None and int(token) not in ids:
+                ids.append(int(token))
+    return ids
+
+
+class HFBackend(Backend):
+    """Decodes with fsd_ext.generate (or any function with its signature) on a HF model pair."""
+
+    def __init__(self, target, draft, tokenizer, *, max_new_tokens: int = 512,
+                 generate_fn: Optional[Callable] = None, use_chat: Optional[bool] = None,
+                 check_sd: bool = True, eos_token_id=None, use_cuda_graphs="auto",
+                 names: Optional[Dict[str, str]] = None):
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.max_new_tokens = max_new_tokens
+        if generate_fn is None:
+            from ..generate import generate as generate_fn
+        self.generate_fn = generate_fn
+        self.chat = humaneval.has_chat_template(tokenizer) if use_chat is None else use_chat
+        self.check_sd = check_sd
+        self.eos_token_id = (default_eos_ids(target, tokenizer) or None) if eos_token_id is None else eos_token_id
+        self.use_cuda_graphs = use_cuda_graphs
+        self.names = names or {}
+        self.device = next(target.parameters()).device
+
+    def setup(self) -> Dict[str, Any]:
+        setup = {"target": self.names.get("target", type(self.target).__name__),
+                 "draft": self.names.get("draft", type(self.draft).__name__),
+                 "dtype": str(next(self.target.parameters()).dtype).replace("torch.", ""),
+                 "max_new_tokens": self.max_new_tokens, "chat": self.chat,
+                 "prompt_version": PROMPT_VERSION}
+        # Only where set, so that the setups (resume keys) of sweeps without it keep their ids.
+        from ..cpu_linear import linear_weights_kind
+        kinds = sorted({k for k in map(linear_weights_kind, (self.target, self.draft)) if k})
+        if kinds:
+            setup["linear_weights"] = ",".join(kinds)
+        return setup
+
+    def prompt(self, problem: Dict[str, str]) -> str:
+        return humaneval.format_prompt(problem, self.tokenizer, self.chat)
+
+    def _encode(self, text: str):
+        import torch
+        ids = self.tokenizer.encode(text, add_special_tokens=not self.chat)
+        return torch.tensor([ids], dtype=torch.long, device=self.device)  # [1, prompt]
+
+    def _sync(self):
+        import torch
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def warmup(self, config: Config, prompt: str, tokens: int):
+        self.complete(config, prompt, max_new_tokens=tokens, check_sd=False)
+
+    def complete(self, config: Config, prompt: str, max_new_tokens: Optional[int] = None,
+                 check_sd: Optional[bool] = None) -> Generation:
+        import torch
+        input_ids = self._encode(prompt)  # [1, P]
+        prompt_len = input_ids.shape[1]
+        kwargs = config.generate_kwargs()
+        kwargs.update(max_new_tokens=max_new_tokens or self.max_new_tokens,
+                      eos_token_id=self.eos_token_id, use_cuda_graphs=self.use_cuda_graphs)
+        check_sd = self.check_sd if check_sd is None else check_sd
+        if check_sd and config.temperature > 0 and config.rule in ("fsd", "fsd_strict"):
+            kwargs["output_divergences"] = True  # generate counts sampled SD rejections (timed apart)
+        self._sync()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.generate_fn(self.target, self.draft, input_ids,
+                                   torch.ones_like(input_ids), **kwargs)
+        self._sync()
+        seconds = time.perf_counter() - start - (_stat(out.stats, "diagnostics_seconds") or 0.0)
+        sequence = out.sequences[0]  # [P + generated]
+        new_ids = sequence[prompt_len:].tolist()
+        eos = set(self.eos_token_id if isinstance(self.eos_token_id, (list, tuple))
+                  else [self.eos_token_id])
+        end = next((i + 1 for i, t in enumerate(new_ids) if t in eos), len(new_ids))
+        new_ids = [t for t in new_ids[:end] if t >= 0]  # drop any padding
+        text = self.tokenizer.decode(new_ids, skip_special_tokens=True)
+        gen = stats_to_generation(out.stats, text, len(new_ids), seconds, config.rule)
+        if config.rule in ("ar", "sd"):
+            gen.sd_rejected = 0  # by definition
+        return gen
+
+
+def _progress(total: int, initial: int, desc: str, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a bench dependency
+        enabled = False
+    if not enabled:
+        class _Quiet:
+            def update(self, n=1): pass
+            def set_postfix_str(self, s): pass
+            def close(self): pass
+        return _Quiet()
+    return tqdm(total=total, initial=initial, desc=desc, unit="problem", dynamic_ncols=True)
+
+
+def run_sweep(configs: Sequence[Config], problems: Sequence[Dict[str, str]], backend: Backend,
+              store: ResultStore, limits: humaneval.SandboxLimits = humaneval.SandboxLimits(),
+              progress: bool = True, warmup_tokens: int = 0,
+              on_record: Optional[Callable[[Dict[str, Any]], None]] = None,
+              order: str = "config") -> int:
+    """Decode and score every (configuration, problem) not yet in the store. Returns how many new
+    records were written.
+
+    order="config": one configuration after the other, a progress bar each. order="problem": all
+    configurations on problem 1, then on problem 2, ...: a change in machine load during the run
+    then hits every configuration alike, which keeps their tokens/s comparable on a shared machine.
+    """
+    if order not in ("config", "problem"):
+        raise ValueError(f"order must be 'config' or 'problem', got {order!r}")
+    sid = setup_id(backend.setup())
+    todo = {config.key: [p for p in problems if not store.has(sid, config.key, p["task_id"])]
+            for config in configs}
+    def warmup(config):  # lazy initialisation, kernel/graph warm-up: not timed
+        if warmup_tokens and todo[config.key]:
+            backend.warmup(config, backend.prompt(todo[config.key][0]), warmup_tokens)
+
+    written = 0
+    if order == "config":
+        for config in configs:
+            warmup(config)
+            bar = _progress(len(problems), len(problems) - len(todo[config.key]), config.label,
+                            progress)
+            passed = 0
+            for problem in todo[config.key]:
+                record = _run_one(config, problem, backend, sid, limits, store, on_record)
+                written, passed = written + 1, passed + record["passed"]
+                bar.update(1)
+                bar.set_postfix_str(f"pass {passed}/{len(todo[config.key])} new, "
+                                    f"{record['new_tokens'] / max(record['seconds'], 1e-9):.1f} tok/s")
+            bar.close()
+        return written
+    for config in configs:
+        warmup(config)
+    pending = sum(len(v) for v in todo.values())
+    total = len(configs) * len(problems)
+    bar = _progress(total, total - pending, "all configurations", progress)
+    for problem in problems:
+        for config in configs:
+            if problem in todo[config.key]:
+                record = _run_one(config, problem, backend, sid, limits, store, on_record)
+                written += 1
+                bar.update(1)
+                bar.set_postfix_str(f"{problem['task_id']} {config.label}: "
+                                    f"{'pass' if record['passed'] else 'fail'}")
+    bar.close()
+    return written
+
+
+def _run_one(config: Config, problem: Dict[str, str], backend: Backend, sid: str,
+             limits: humaneval.SandboxLimits, store: ResultStore,
+             on_record: Optional[Callable[[Dict[str, Any]], None]]) -> Dict[str, Any]:
+    """Decode one problem with one configuration, score it, append the record to the store."""
+    start = time.perf_counter()
+    gen = backend.complete(config, backend.prompt(problem))
+    completion = humaneval.extract_completion(gen.text, backend.chat)
+    result = humaneval.check_completion(problem, completion, limits)
+    record = {
+        "setup_id": sid, "setup": backend.setup(), "key": config.key, "group": config.group,
+        "config": asdict(config), "task_id": problem["task_id"],
+        "passed": result.passed, "result": result.result, "completion": completion,
+        "generated_text": gen.text, "new_tokens": gen.new_tokens, "seconds": gen.seconds,
+        "wall_s": time.perf_counter() - start, "target_calls": gen.target_calls,
+        "draft_calls": gen.draft_calls, "target_seconds": gen.target_seconds,
+        "draft_seconds": gen.draft_seconds, "prefill_seconds": gen.prefill_seconds,
+        "capture_seconds": gen.capture_seconds,
+        "accepted_hist": gen.accepted_hist,
+        "accepted_drafts": gen.accepted_drafts, "verify_steps": gen.verify_steps,
+        "sd_rejected": gen.sd_rejected, "stats": gen.extra.get("stats"),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    store.append(record)
+    if on_record is not None:
+        on_record(record)
+    return record
+
+
+def load_model(spec: str, dtype: str = "float32", device: str = "cpu", linear_weights: str = "same"):
+    """(model, tokenizer) for a built-in name of fsd_ext.models (the offline Qwen2.5-Coder pair,
+    SmolLM2: assembled, checked and converted once into a cache), a folder, a .gguf file, or a hub
+    id (which needs a network or a local cache). linear_weights: "same" (the model's dtype),
+    "bfloat16", "gguf", or "auto" (models.resolve_load_options), as in `fsd-ext generate`."""
+    from .. import models
+    dtype, linear_weights = models.resolve_load_options(spec, device, dtype, linear_weights)
+    return models.load(spec, dtype=dtype, device=device, linear_weights=linear_weights)
