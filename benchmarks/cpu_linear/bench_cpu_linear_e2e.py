@@ -1,12 +1,16 @@
-"""`fsd-ext demo`'s decoding with fsd-ext's quantised-weight CPU kernel against PyTorch's own
-weight-only ops on the same GGUF weights, end to end.
+"""`fsd-ext demo`'s decoding with the CPU linear component's kernels against what PyTorch ships for
+the same weights, end to end.
 
-    fsd   the default: QuantWeightLinear (csrc/cpu_linear/quant_gemm.cpp), float32 activations, every
-          weight the file's exact value
+--weights gguf (the default pair's default setup on an AVX-512 CPU):
+    fsd   QuantWeightLinear (csrc/cpu_linear/quant_gemm.cpp), float32 activations, every weight the
+          file's exact value
     torch the file's 4-bit layers (Q4_K, Q4_0, Q4_1) through aten._weight_int4pack_mm_for_cpu
           (group 32; x, scales and zeros in bfloat16: torch's vectorised path), the others (Q5_0,
           Q6_K, Q8_0) re-quantised to int8 with one scale per output row through
           aten._weight_int8pack_mm (x in bfloat16); nothing else changes
+--weights bfloat16 (a bfloat16 model, the default for other checkpoints on an AVX512-BF16 CPU):
+    fsd   skinny_linear (csrc/cpu_linear/skinny_gemm.cpp) for the few-row products
+    torch F.linear
 
 Both pairs load once; the rounds alternate the two (AR, SD, FSD on the demo prompts, greedy,
 K=5), and the median tokens/s per rule is reported with the ratio. Fidelity: whether greedy AR
@@ -76,10 +80,15 @@ def to_torch_ops(model: torch.nn.Module) -> int:
     return swapped
 
 
-def load_pair(backend: str):
+def load_pair(backend: str, weights_kind: str):
     pair = []
     for name in (models.DEFAULT_TARGET, models.DEFAULT_DRAFT):
-        dtype, weights = models.resolve_load_options(name, "cpu")
+        if weights_kind == "bfloat16":
+            model, tokenizer = models.load(name, dtype=torch.bfloat16, device="cpu", linear_weights=None,
+                                           cpu_linears=backend == "fsd")
+            pair.append((model, tokenizer))
+            continue
+        dtype, weights = models.resolve_load_options(name, "cpu", "float32", "gguf")
         model, tokenizer = models.load(name, dtype=dtype, device="cpu", linear_weights=weights)
         if backend == "torch":
             print(f"{name}: {to_torch_ops(model)} layers on torch's ops", file=sys.stderr)
@@ -89,6 +98,7 @@ def load_pair(backend: str):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", choices=["gguf", "bfloat16"], default="gguf")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=48)
@@ -97,7 +107,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    backends = {b: load_pair(b) for b in ("fsd", "torch")}
+    backends = {b: load_pair(b, args.weights) for b in ("fsd", "torch")}
     tokenizer = backends["fsd"][2]
     prompts = [_encode(tokenizer, p, True, "cpu") for p in DEMO_PROMPTS[:args.num_prompts]]
     rules = {"ar": {}, "sd": {}, "fsd": dict(divergence="js", threshold=0.3)}
@@ -130,7 +140,8 @@ def main(argv=None):
     fidelity["greedy_ar_first_difference"] = [
         next((j for j, (a, c) in enumerate(zip(ar_tokens[("fsd", i)], ar_tokens[("torch", i)])) if a != c), None)
         for i in range(len(prompts))]
-    print(f"{torch.get_num_threads()} threads, {len(prompts)} prompts x {args.max_new_tokens} tokens, greedy, K=5, "
+    print(f"{args.weights} weights, {torch.get_num_threads()} threads, {len(prompts)} prompts x "
+          f"{args.max_new_tokens} tokens, greedy, K=5, "
           f"median of {args.rounds} alternating rounds")
     print(f"{'rule':<5} {'fsd tok/s':>10} {'torch tok/s':>12} {'fsd/torch':>10}")
     table = {}
