@@ -43,6 +43,9 @@ _WARPERS = (
     (logits_process.MinPLogitsWarper, "min_p"),
 )
 _STOPPING = (criteria.MaxLengthCriteria, criteria.EosTokenCriteria)  # honoured via max/eos below
+# Model kwargs transformers itself adds, or that change only how the target runs, not what it computes.
+_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "cache", "past_key_values",
+                       "use_cache", "cache_position", "inputs_embeds"}
 _UNSUPPORTED_OUTPUTS = ("output_scores", "output_logits", "output_attentions", "output_hidden_states")
 
 
@@ -102,6 +105,9 @@ def _check_request(model, input_ids, generation_config, stopping_criteria, model
                          f"assistant_model to a callable custom_generate)")
     if model.config.is_encoder_decoder:
         raise ValueError("fsd_ext.hf.generate supports decoder-only models, not encoder-decoder ones")
+    unknown = sorted(set(model_kwargs) - _KNOWN_MODEL_KWARGS)
+    if unknown:  # fsd_ext.generate feeds its models ids, masks and positions only
+        raise ValueError(f"fsd_ext.hf.generate cannot pass the model kwargs {unknown} to the models")
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("inputs_embeds is not supported: pass input_ids")
     for cache_name in ("cache", "past_key_values"):

@@ -236,6 +236,7 @@ def test_folder_form_needs_trust_remote_code(target, draft):
     (dict(repetition_penalty=1.3), "RepetitionPenaltyLogitsProcessor"),
     (dict(do_sample=True, typical_p=0.5), "TypicalLogitsWarper"),
     (dict(max_time=5.0), "MaxTimeCriteria"),
+    (dict(labels=torch.zeros(2, 4, dtype=torch.int64)), "labels"),
     (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
     (dict(output_logits=True, return_dict_in_generate=True), "output_logits"),
 ])
