@@ -23,6 +23,8 @@ import os
 from typing import Optional
 
 import torch
+import transformers
+from packaging.version import Version
 from transformers import GenerationConfig
 from transformers.generation import logits_process, stopping_criteria as criteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
@@ -30,6 +32,11 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .generate import GENERATE_RULES
 from .generate import generate as fsd_generate
 from .types import DIVERGENCES
+
+# Only 5.x was tested (5.25): 4.x is refused rather than run untested.
+if Version(transformers.__version__) < Version("5"):
+    raise ImportError(f"fsd_ext.hf needs transformers 5.x (tested with 5.25), found "
+                      f"{transformers.__version__}; call fsd_ext.generate directly instead")
 
 # The folder with custom_generate/generate.py (the trust_remote_code form).
 CUSTOM_GENERATE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_custom_generate")

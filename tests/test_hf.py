@@ -9,7 +9,7 @@ import torch
 
 import fsd_ext
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", minversion="5")  # fsd_ext.hf needs 5.x
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.generation.utils import GenerateDecoderOnlyOutput  # noqa: E402
 
