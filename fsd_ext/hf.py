@@ -148,7 +148,7 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
              fsd_threshold=0.3, fsd_num_draft_tokens: Optional[int] = None,
              fsd_div_temperature: Optional[float] = 1.0, fsd_seed=None, fsd_streamer=None,
              **model_kwargs):
-    """The decoding loop transformers calls for `model.generate(..., custom_generate=fsd_ext.hf.generate)`.
+    """The loop transformers runs for `model.generate(..., custom_generate=fsd_ext.hf.generate)`.
 
     Not meant to be called directly: transformers passes `model` (the target), `input_ids` [B, P]
     (left-padded), the logits processors, stopping criteria and generation config it prepared, and
@@ -172,6 +172,12 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
     Returns:
         [B, P + N] LongTensor of the prompts and generated tokens (padded with pad_token_id after a
         row's end), or GenerateDecoderOnlyOutput(sequences=...) with return_dict_in_generate=True.
+
+    Example:
+        >>> enc = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+        >>> out = target.generate(**enc, custom_generate=fsd_ext.hf.generate, draft_model=draft,
+        ...                       fsd_threshold=0.3, do_sample=False, max_new_tokens=64)
+        >>> tokenizer.batch_decode(out, skip_special_tokens=True)
     """
     if streamer is not None and fsd_streamer is not None:
         raise ValueError("pass the streamer once, as fsd_streamer")
