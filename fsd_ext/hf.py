@@ -112,6 +112,10 @@ def _check_request(model, input_ids, generation_config, stopping_criteria, model
                          f"assistant_model to a callable custom_generate)")
     if model.config.is_encoder_decoder:
         raise ValueError("fsd_ext.hf.generate supports decoder-only models, not encoder-decoder ones")
+    for option in _UNSUPPORTED_OUTPUTS:
+        if getattr(generation_config, option, False):
+            raise ValueError(f"{option}=True is not supported: fsd_ext.generate keeps no per-token "
+                             f"scores, logits, attentions or hidden states to return")
     unknown = sorted(set(model_kwargs) - _KNOWN_MODEL_KWARGS)
     if unknown:  # fsd_ext.generate feeds its models ids, masks and positions only
         raise ValueError(f"fsd_ext.hf.generate cannot pass the model kwargs {unknown} to the models")
@@ -126,10 +130,6 @@ def _check_request(model, input_ids, generation_config, stopping_criteria, model
                           ("num_return_sequences", generation_config.num_return_sequences)):
         if value is not None and value > 1:
             raise ValueError(f"{option}={value} is not supported by fsd_ext.hf.generate (1 only)")
-    for option in _UNSUPPORTED_OUTPUTS:
-        if getattr(generation_config, option, False):
-            raise ValueError(f"{option}=True is not supported: fsd_ext.generate keeps no per-token "
-                             f"scores, logits, attentions or hidden states to return")
     for criterion in stopping_criteria or ():
         if not isinstance(criterion, _STOPPING):
             raise ValueError(

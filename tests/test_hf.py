@@ -239,6 +239,7 @@ def test_folder_form_needs_trust_remote_code(target, draft):
     (dict(labels=torch.zeros(2, 4, dtype=torch.int64)), "labels"),
     (dict(output_scores=True, return_dict_in_generate=True), "output_scores"),
     (dict(output_logits=True, return_dict_in_generate=True), "output_logits"),
+    (dict(output_hidden_states=True, return_dict_in_generate=True), "output_hidden_states=True"),
 ])
 def test_bad_arguments_raise(target, draft, kwargs, message):
     ids, mask = prompts([4, 2], seed=12)
