@@ -18,5 +18,16 @@ try:  # one source of the version: pyproject.toml, through the installed metadat
     __version__ = _metadata.version("fsd-ext")
 except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
     __version__ = "unknown"
+
+
+def __getattr__(name):
+    # fsd_ext.hf imports transformers, which `import fsd_ext` should not pay for: loaded on first use.
+    if name == "hf":
+        import importlib
+
+        return importlib.import_module(".hf", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = ["accept", "divergence", "sample", "philox_uniforms", "reference", "AcceptResult",
            "RULES", "DIVERGENCES", "generate", "GenerateOutput", "GenerateStats", "release_cuda_graphs"]
