@@ -106,13 +106,11 @@ __device__ __forceinline__ void decode_vec(const uint4 word, float (&out)[VecWid
   }
 }
 
-// The 16-byte word at a 16-byte aligned address: global memory through the read-only path, or
-// (with kShared) a row staged in shared memory.
-template <bool kShared, typename T>
+// The 16-byte word at a 16-byte aligned address of global memory, through the read-only path.
+template <typename T>
 __device__ __forceinline__ uint4 load_word(const T* p) {
-  const uint4* word = reinterpret_cast<const uint4*>(p);
-  if constexpr (!kShared) FSD_SIM_READ(p, 16);
-  return kShared ? *word : __ldg(word);
+  FSD_SIM_READ(p, 16);
+  return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
 template <int N>
@@ -128,7 +126,7 @@ __device__ __forceinline__ int64_t vector_head_end(const T* row, int64_t begin, 
 
 // The block's threads visit ids [begin, end) of `row`: f(id, values, Width<n>) with n raw values at
 // ids id..id+n-1 (n = the vector width in the aligned body, 1 in the head and tail).
-template <typename T, bool kShared = false, typename F>
+template <typename T, typename F>
 __device__ __forceinline__ void block_for_each(const T* __restrict__ row, int64_t begin, int64_t end, F&& f) {
   constexpr int N = VecWidth<T>::value;
   if (end <= begin) return;
@@ -148,7 +146,7 @@ __device__ __forceinline__ void block_for_each(const T* __restrict__ row, int64_
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
       const int64_t t = first + (int64_t)u * blockDim.x;
-      if (t < vectors) words[u] = load_word<kShared>(row + head_end + t * N);
+      if (t < vectors) words[u] = load_word(row + head_end + t * N);
     }
 #pragma unroll
     for (int u = 0; u < kAhead; ++u) {
@@ -173,7 +171,7 @@ __device__ __forceinline__ void block_for_each(const T* __restrict__ row, int64_
 // same 16-byte phase.
 // With `reverse` the aligned body is walked from its end (pass 2 right after pass 1: the ids read
 // last are the likeliest still in L2).
-template <typename T, bool kShared = false, typename F>
+template <typename T, typename F>
 __device__ __forceinline__ void block_for_each_pair(const T* __restrict__ target, const T* __restrict__ draft,
                                                     int64_t begin, int64_t end, int64_t draft_end, bool reverse,
                                                     F&& f) {
@@ -199,8 +197,8 @@ __device__ __forceinline__ void block_for_each_pair(const T* __restrict__ target
         const int64_t t = first + (int64_t)u * blockDim.x;
         const int64_t j = head_end + (reverse ? vectors - 1 - t : t) * N;
         if (t < vectors) {
-          target_words[u] = load_word<kShared>(target + j);
-          if (same_phase) draft_words[u] = load_word<kShared>(draft + j);
+          target_words[u] = load_word(target + j);
+          if (same_phase) draft_words[u] = load_word(draft + j);
         }
       }
 #pragma unroll
@@ -228,7 +226,7 @@ __device__ __forceinline__ void block_for_each_pair(const T* __restrict__ target
     }
   }
   if (end > both_end) {
-    block_for_each<T, kShared>(target, both_end, end, [&](int64_t j, const float* a, auto width) {
+    block_for_each<T>(target, both_end, end, [&](int64_t j, const float* a, auto width) {
       float b[N];
 #pragma unroll
       for (int i = 0; i < N; ++i) b[i] = -kInf;
@@ -278,70 +276,6 @@ __device__ __forceinline__ RowStat block_row_stat(const T* __restrict__ row, int
     if (kSame) st.sum_d = st.sum_s;
   });
   return block_total_stat<T>(st, inv_s, inv_d, temp, shared_out);
-}
-
-// Where ids [begin, begin + capacity) of `row` go in a shared-memory region of
-// stage_region_bytes(capacity, sizeof(T)) bytes: the returned pointer is indexed by vocabulary id
-// (staged[j], j in [begin, end)) and keeps each id's 16-byte phase in global memory, so the
-// head / body / tail split of block_for_each is the same on the copy as on the original.
-__host__ __device__ constexpr size_t stage_region_bytes(int64_t capacity, size_t element_bytes) {
-  return ((size_t)capacity * element_bytes + 16 + 15) / 16 * 16;
-}
-// The offset is applied to the address as an integer: the pointer lies before the allocation (only
-// staged[j] for j in [begin, end) is ever dereferenced), and pointer arithmetic that leaves an
-// object is undefined behaviour the optimiser may exploit; an integer-built pointer it cannot
-// reason about. (Loads through it are generic loads that resolve to shared memory.)
-template <typename T>
-__device__ __forceinline__ T* stage_pointer(void* region, const T* row, int64_t begin) {
-  const int64_t phase = (int64_t)((reinterpret_cast<uintptr_t>(row + begin) % 16) / sizeof(T));
-  return reinterpret_cast<T*>(reinterpret_cast<uintptr_t>(region) + (uintptr_t)((phase - begin) * (int64_t)sizeof(T)));
-}
-
-// block_row_stat that also copies ids [begin, end) of `row` into `staged` (stage_pointer), so a
-// later pass reads shared memory instead of global memory. kUnroll 16-byte loads per thread are in
-// flight before the first one is used.
-template <typename T>
-__device__ __forceinline__ RowStat block_stage_stat(const T* __restrict__ row, T* __restrict__ staged, int64_t begin,
-                                                    int64_t end, float inv_s, float inv_d,
-                                                    typename StatReduce<T>::TempStorage& temp, RowStat& shared_out) {
-  constexpr int N = VecWidth<T>::value, kUnroll = 8;
-  RowStat st = empty_stat();
-  const StatScales scales = stat_scales(inv_s, inv_d);
-  if (end > begin) with_same_inv(inv_s, inv_d, [&](auto same) {
-    constexpr bool kSame = decltype(same)::value;
-    auto scalar = [&](int64_t j) {
-      FSD_SIM_READ(row + j, sizeof(T));
-      const T raw = row[j];
-      staged[j] = raw;
-      const float v = raw_to_float(raw);
-      stat_add<1, kSame>(st, j, &v, scales);
-    };
-    const int64_t head_end = vector_head_end(row, begin, end);
-    for (int64_t j = begin + threadIdx.x; j < head_end; j += blockDim.x) scalar(j);
-    const int64_t vectors = (end - head_end) / N;
-    uint4* dst = reinterpret_cast<uint4*>(staged + head_end);
-    for (int64_t first = threadIdx.x; first < vectors; first += (int64_t)kUnroll * blockDim.x) {
-      uint4 words[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t t = first + (int64_t)u * blockDim.x;
-        if (t < vectors) words[u] = load_word<false>(row + head_end + t * N);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t t = first + (int64_t)u * blockDim.x;
-        if (t < vectors) {
-          dst[t] = words[u];
-          float v[N];
-          decode_vec<T>(words[u], v);
-          stat_add<N, kSame>(st, head_end + t * N, v, scales);
-        }
-      }
-    }
-    for (int64_t j = head_end + vectors * N + threadIdx.x; j < end; j += blockDim.x) scalar(j);
-    if (kSame) st.sum_d = st.sum_s;
-  });
-  return block_total_stat<T>(st, inv_s, inv_d, temp, shared_out);  // its barrier completes the copy
 }
 
 __device__ __forceinline__ bool stat_good(int32_t flags) { return !(flags & kHasNaN) && (flags & kHasFinite); }
@@ -764,13 +698,13 @@ __device__ __forceinline__ bool in_top_bucket(const TopBuckets& top, const Dist&
 
 // Pass 2's plain path (streaming.cuh): p and q plain softmaxes that the divergence compares
 // itself, no buckets. Terms summed in float per thread, flushed to double every 32 vectors.
-template <Divergence D, bool kDiv, bool kResidual, bool kShared, typename T>
+template <Divergence D, bool kDiv, bool kResidual, typename T>
 __device__ __forceinline__ void pass_two_plain(const T* __restrict__ target, const T* __restrict__ draft, int64_t begin,
                                                int64_t end, int64_t draft_vocab, const PlainPair& pair, bool reverse,
                                                PassTwo& acc) {
   float div = 0.0f, residual = 0.0f;
   int count = 0;
-  block_for_each_pair<T, kShared>(target, draft, begin, end, draft_vocab, reverse, [&](int64_t, const float* a, const float* b, auto width) {
+  block_for_each_pair<T>(target, draft, begin, end, draft_vocab, reverse, [&](int64_t, const float* a, const float* b, auto width) {
 #pragma unroll
     for (int i = 0; i < decltype(width)::value; ++i) plain_add<D, kDiv, kResidual>(pair, a[i], b[i], div, residual);
     if (++count == 32) {
@@ -784,7 +718,7 @@ __device__ __forceinline__ void pass_two_plain(const T* __restrict__ target, con
 
 // Accumulates pass 2 over [begin, end) of one position into a thread's PassTwo.
 //   p, q: sampling distributions (residual); pd, qd: the distributions the divergence compares.
-template <Divergence D, bool kShared = false, typename T>
+template <Divergence D, typename T>
 __device__ __forceinline__ void pass_two(const T* __restrict__ target, const T* __restrict__ draft, int64_t begin,
                                          int64_t end, int64_t draft_vocab, const Dist& pd, const Dist& qd,
                                          const Dist& p, const Dist& q, bool need_div, bool need_residual,
@@ -796,16 +730,16 @@ __device__ __forceinline__ void pass_two(const T* __restrict__ target, const T* 
   if (!top.on && p.one_hot < 0 && q.one_hot < 0 && p.cut == -kInf && q.cut == -kInf && (shared_dists || !need_div)) {
     const PlainPair pair = plain_pair(p.max, p.inv, p.sum, q.max, q.inv, q.sum);
     if (need_div && need_residual)
-      pass_two_plain<D, true, true, kShared>(target, draft, begin, end, draft_vocab, pair, reverse, acc);
+      pass_two_plain<D, true, true>(target, draft, begin, end, draft_vocab, pair, reverse, acc);
     else if (need_div)
-      pass_two_plain<D, true, false, kShared>(target, draft, begin, end, draft_vocab, pair, reverse, acc);
+      pass_two_plain<D, true, false>(target, draft, begin, end, draft_vocab, pair, reverse, acc);
     else if (need_residual)
-      pass_two_plain<D, false, true, kShared>(target, draft, begin, end, draft_vocab, pair, reverse, acc);
+      pass_two_plain<D, false, true>(target, draft, begin, end, draft_vocab, pair, reverse, acc);
     return;
   }
   float div = 0.0f, rest_p = 0.0f, rest_q = 0.0f, residual = 0.0f;
   int count = 0;
-  block_for_each_pair<T, kShared>(target, draft, begin, end, draft_vocab, reverse, [&](int64_t j, const float* a, const float* b, auto width) {
+  block_for_each_pair<T>(target, draft, begin, end, draft_vocab, reverse, [&](int64_t j, const float* a, const float* b, auto width) {
     constexpr int N = decltype(width)::value;
 #pragma unroll
     for (int i = 0; i < N; ++i) {
@@ -870,7 +804,7 @@ struct RestLogMassMerge {
     return RestLogMass{a.p.merged(b.p, FastExp{}), a.q.merged(b.q, FastExp{})};
   }
 };
-template <bool kShared = false, typename T>
+template <typename T>
 __device__ __forceinline__ void exact_tiny_rests(const T* __restrict__ target, const T* __restrict__ draft, int64_t begin,
                                               int64_t end, int64_t draft_vocab, const Dist& pd, const Dist& qd,
                                               const TopBuckets& top, PassTwo& sums) {
@@ -881,7 +815,7 @@ __device__ __forceinline__ void exact_tiny_rests(const T* __restrict__ target, c
   const int need = sides;
   if (need == 0) return;
   RestLogMass acc;
-  block_for_each_pair<T, kShared>(target, draft, begin, end, draft_vocab, false, [&](int64_t j, const float* a, const float* b, auto width) {
+  block_for_each_pair<T>(target, draft, begin, end, draft_vocab, false, [&](int64_t j, const float* a, const float* b, auto width) {
 #pragma unroll
     for (int i = 0; i < decltype(width)::value; ++i) {
       const float zt = clamp_logit(a[i]), zd = clamp_logit(b[i]);

@@ -55,7 +55,7 @@
 #define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 // Per OS thread, so that the blocks of a cluster, which run at once on threads of their own, each
-// have their own (`extern __shared__` arrays: defined by the program, kernels.cpp).
+// have their own (an `extern __shared__` array must be defined thread_local by the program).
 #define __shared__ thread_local
 
 // ---------------------------------------------------------------------------------------------
