@@ -80,7 +80,7 @@ struct Dist {
   float cut;       // filter cutoff in s-space; -inf = no filter
   float log_sum;   // (float) log(sum)
   double sum;      // sum over kept j of exp(s_j)
-  int32_t one_hot; // >= 0: one-hot at this id (vocabularies are below 2^31)
+  int64_t one_hot; // >= 0: one-hot at this id
 
   FSD_NUMERIC bool plain() const { return one_hot < 0 && cut == -kInf; }
   FSD_NUMERIC float scaled(float logit) const { return (logit - max) * inv; }
@@ -114,6 +114,6 @@ FSD_NUMERIC Dist softmax_dist(float max, float inv, float cut, double sum) {
   return Dist{max, inv, cut, (float)::log(sum), sum, -1};
 }
 
-FSD_NUMERIC Dist one_hot_dist(float max, int32_t id) { return Dist{max, 1.0f, -kInf, 0.0f, 1.0, id}; }
+FSD_NUMERIC Dist one_hot_dist(float max, int64_t id) { return Dist{max, 1.0f, -kInf, 0.0f, 1.0, id}; }
 
 }  // namespace fsd

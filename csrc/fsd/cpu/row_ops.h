@@ -19,38 +19,6 @@
 namespace fsd {
 namespace cpu {
 
-// A distribution over one vocabulary row, described by the logits plus a few scalars:
-//   s_j = (z_j - max) * inv_tau,   log p_j = s_j - log_sum  if s_j >= cut,  else -inf
-// or one-hot at `one_hot` (temperature 0).
-struct Dist {
-  float max = 0.0f;
-  float inv_tau = 1.0f;
-  float cut = -kInf;      // filter cutoff in s-space; -inf = no filter
-  double sum = 1.0;       // sum over kept j of exp(s_j)
-  float log_sum = 0.0f;
-  int64_t one_hot = -1;   // >= 0: one-hot at this id
-
-  bool plain() const { return one_hot < 0 && cut == -kInf; }
-  FSD_ALWAYS_INLINE float scaled(float logit) const { return (logit - max) * inv_tau; }
-  // log p_j in double (the decision and the reference comparison want the extra precision).
-  double log_prob(float logit, int64_t id) const {
-    if (one_hot >= 0) return id == one_hot ? 0.0 : -(double)kInf;
-    const float s = scaled(logit);
-    return s >= cut ? (double)s - std::log(sum) : -(double)kInf;
-  }
-  // log p_j in float, for vectorised passes (divergence_sum). Both values computed, then selected:
-  // GCC vectorises this form and not `cut ? s - log_sum : ..`. A member, not a lambda there: GCC
-  // 13.2-14.2 (Ubuntu 24.04's g++-13/14, Debian 13's g++) crash in the targetclone pass (ICE in
-  // add_to_same_comdat_group) when a lambda that calls another lambda of the same inline or template
-  // function instantiates an FSD_CPU_CLONES template such as sum_range.
-  FSD_ALWAYS_INLINE float log_prob_float(float logit, int64_t id) const {
-    const float s = scaled(logit), lp = s - log_sum;
-    const float kept = s >= cut ? lp : -kInf;
-    const float hot = id == one_hot ? 0.0f : -kInf;
-    return one_hot >= 0 ? hot : kept;
-  }
-};
-
 struct RowScan {
   float max = -kInf;    // the largest logit as load_logit sees it (+inf counts as FLT_MAX)
   int64_t argmax = 0;   // the lowest id holding it
@@ -71,7 +39,7 @@ FSD_CPU_CLONES RowScan scan_row(const T* row, int64_t n) {
     FSD_SIMD
     for (int l = 0; l < kLanes; ++l) {
       const float raw = to_float(row[j + l]);
-      const float x = raw < FLT_MAX ? raw : (raw == kInf ? FLT_MAX : raw);  // load_logit
+      const float x = clamp_logit(raw);  // load_logit
       const bool higher = x > lane_max[l];  // false for NaN
       lane_max[l] = higher ? x : lane_max[l];
       lane_block[l] = higher ? block : lane_block[l];
@@ -190,7 +158,8 @@ double sum_exp(const T* row, int64_t n, const Dist& d, float* exps = nullptr) {
 }
 
 // Weights a sum pass stored (sum_exp's `exps`), for an inverse CDF over the same row. A functor,
-// not a lambda: see Dist::log_prob_float for the GCC versions that crash on some lambdas here.
+// not a lambda: see Dist::log_prob_float (fsd/numerics.h) for the GCC versions that crash on some
+// lambdas here.
 struct StoredWeights {
   const float* exps;
   FSD_ALWAYS_INLINE float operator()(int64_t j) const { return exps[j]; }
@@ -559,13 +528,8 @@ float filter_cutoff(const T* row, int64_t n, const Dist& d, const SamplingFilter
 template <typename T>
 Dist sampling_dist(const T* row, int64_t n, const RowScan& scan, float tau, const SamplingFilter& filter,
                    std::vector<float>& scratch, float* exps = nullptr) {
-  Dist d;
-  d.max = scan.max;
-  if (tau == 0.0f) {
-    d.one_hot = scan.argmax;
-    return d;
-  }
-  d.inv_tau = inverse_temperature(tau);
+  if (tau == 0.0f) return one_hot_dist(scan.max, scan.argmax);
+  Dist d = softmax_dist(scan.max, inverse_temperature(tau), -kInf, 1.0);
   if (filter.active()) d.cut = filter_cutoff(row, n, d, filter, scratch);
   d.sum = sum_exp(row, n, d, exps);
   d.log_sum = (float)std::log(d.sum);
@@ -714,8 +678,8 @@ double divergence_bucketed(const T* zt, int64_t vt, const Dist& p, const T* zd, 
   const PreciseLog log_fn;
   double total = 0.0;
   for (const int64_t j : top) {
-    const double a = p.log_prob(load_logit(zt, j), j);
-    const double b = j < vd ? q.log_prob(load_logit(zd, j), j) : -(double)kInf;
+    const double a = p.log_prob_precise(load_logit(zt, j), j);
+    const double b = j < vd ? q.log_prob_precise(load_logit(zd, j), j) : -(double)kInf;
     total += divergence_term<D>(std::exp(a), a, std::exp(b), b, log_fn);
   }
   struct Mass {

@@ -437,9 +437,9 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
   const int64_t draft_vocab = at < nd ? pb.draft_vocab : 0;
   auto weight = [&](int64_t j) -> float {
     const float zt = load_logit(target + j);
-    if (mode == kModeTarget) return info.p.weight(zt);
-    const float pp = info.p.prob(zt, j);
-    const float qq = j < draft_vocab ? info.q.prob(load_logit(draft + j), j) : 0.0f;
+    if (mode == kModeTarget) return sampling_weight(info.p, zt);
+    const float pp = prob(info.p, zt, j);
+    const float qq = j < draft_vocab ? prob(info.q, load_logit(draft + j), j) : 0.0f;
     return pp > qq ? pp - qq : 0.0f;
   };
   const int64_t chosen = sh.chunk, last_chunk = sh.last_chunk;
@@ -562,8 +562,8 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
       }
       if (sum_p) {  // (need_residual is false here: draw_mass was free)
         if (run_pass_two) __syncthreads();  // the scan's storage overlays the reduction's
-        sums.draw_mass = block_weight_total(begin, end, [&](int64_t j) { return p.weight(load_logit(target + j)); },
-                                            sh.temp.final_shared.scan);
+        sums.draw_mass = block_weight_total(
+            begin, end, [&](int64_t j) { return sampling_weight(p, load_logit(target + j)); }, sh.temp.final_shared.scan);
       }
       if (threadIdx.x == 0) ws.pass_two[(b * positions + i) * splits + c] = sums;
     }

@@ -4,7 +4,8 @@
 //     with scalar head and tail so any row alignment and any vocabulary size works;
 //   - block-wide online-softmax statistics of one vocabulary range (the per-thread arithmetic,
 //     RowStat and its merge live in streaming.cuh);
-//   - Dist: a distribution over a row described by a few scalars (as in the CPU kernel);
+//   - a Dist's probabilities and weights (Dist itself, the dtypes and their conversions:
+//     fsd/numerics.h, shared with the CPU kernel);
 //   - block-wide radix select (top-k / top-p cutoffs, div_top_k), inverse-CDF sampling over a
 //     range (block scan over tiles), reductions;
 //   - pass 2 (divergence terms, residual mass): the plain path of streaming.cuh for the default
@@ -43,25 +44,6 @@ constexpr int kThreads = 256;  // threads per block of every kernel
 // (its histograms' warp reductions spilled at 64).
 constexpr int kScanItems = 8;  // contiguous ids per thread in the sampling / tie scans
 
-// Storage types of the logits (bit patterns; converted to float on load).
-struct BFloat16 { uint16_t bits; };
-struct Float16 { uint16_t bits; };
-
-__device__ __forceinline__ float raw_to_float(float x) { return x; }
-__device__ __forceinline__ float raw_to_float(BFloat16 x) { return __uint_as_float((uint32_t)x.bits << 16); }
-__device__ __forceinline__ float raw_to_float(Float16 x) {
-#ifdef __CUDA_ARCH__
-  float out;
-  asm("{ .reg .b16 h; mov.b16 h, %1; cvt.f32.f16 %0, h; }" : "=f"(out) : "h"(x.bits));
-  return out;
-#else  // host (the CPU simulation of the kernels): as the CPU kernel's to_float (cpu/vec.h)
-  const uint32_t magnitude = x.bits & 0x7FFFu;
-  const float value = magnitude >= 0x7C00u ? __uint_as_float((magnitude << 13) | 0x7F800000u)  // inf / NaN
-                                           : __uint_as_float(magnitude << 13) * 0x1p112f;
-  return __uint_as_float(__float_as_uint(value) | ((uint32_t)(x.bits & 0x8000u) << 16));
-#endif
-}
-
 // The CUDA simulation (csrc/fsd/tests/cuda_sim) counts the bytes these load helpers read from the
 // buffers a test watches, to measure how many times a launch path reads the logits.
 #ifdef FSD_CUDA_SIM
@@ -74,7 +56,7 @@ __device__ __forceinline__ float raw_to_float(Float16 x) {
 template <typename T>
 __device__ __forceinline__ float load_raw(const T* p) {
   FSD_SIM_READ(p, sizeof(T));
-  return raw_to_float(*p);
+  return to_float(*p);
 }
 
 template <typename T>
@@ -100,8 +82,8 @@ __device__ __forceinline__ void decode_vec(const uint4 word, float (&out)[VecWid
       T lo, hi;
       lo.bits = (uint16_t)(w[i] & 0xFFFFu);
       hi.bits = (uint16_t)(w[i] >> 16);
-      out[2 * i] = raw_to_float(lo);
-      out[2 * i + 1] = raw_to_float(hi);
+      out[2 * i] = to_float(lo);
+      out[2 * i + 1] = to_float(hi);
     }
   }
 }
@@ -281,49 +263,19 @@ __device__ __forceinline__ RowStat block_row_stat(const T* __restrict__ row, int
 __device__ __forceinline__ bool stat_good(int32_t flags) { return !(flags & kHasNaN) && (flags & kHasFinite); }
 
 // ---------------------------------------------------------------------------------------------
-// A distribution over one vocabulary row:
-//   s_j = (z_j - max) * inv,  log p_j = s_j - log_sum if s_j >= cut, else -inf;  or one-hot.
-struct Dist {
-  float max;
-  float inv;
-  float cut;       // filter cutoff in s-space (-inf: none)
-  float log_sum;   // (float) log(sum)
-  double sum;      // sum over kept ids of exp(s_j)
-  int32_t one_hot; // >= 0: one-hot at this id (temperature 0)
-
-  __device__ __forceinline__ float scaled(float z) const { return (z - max) * inv; }
-  __device__ __forceinline__ float log_prob(float z, int64_t id) const {
-    if (one_hot >= 0) return id == one_hot ? 0.0f : -kInf;
-    const float s = scaled(z);
-    return s >= cut ? s - log_sum : -kInf;
-  }
-  __device__ __forceinline__ float prob(float z, int64_t id) const {
-    const float lp = log_prob(z, id);
-    return lp > -kInf ? expf(lp) : 0.0f;
-  }
-  __device__ __forceinline__ float prob_fast(float z, int64_t id) const {  // pass 2's streaming sums
-    const float lp = log_prob(z, id);
-    return lp > -kInf ? fast_exp(lp) : 0.0f;
-  }
-  // log p in double (the acceptance decision).
-  __device__ __forceinline__ double log_prob_precise(float z, int64_t id) const {
-    if (one_hot >= 0) return id == one_hot ? 0.0 : -(double)kInf;
-    const float s = scaled(z);
-    return s >= cut ? (double)s - log(sum) : -(double)kInf;
-  }
-  // The unnormalised sampling weight exp(s_j) of a kept id (what p-sampling scans).
-  __device__ __forceinline__ float weight(float z) const {
-    const float s = scaled(z);
-    return s >= cut ? expf(s) : 0.0f;
-  }
-};
-
-__device__ __forceinline__ Dist one_hot_dist(float max, int32_t id) {
-  return Dist{max, 1.0f, -kInf, 0.0f, 1.0, id};
+// A distribution's probabilities and weights as the kernels take them (Dist: fsd/numerics.h).
+__device__ __forceinline__ float prob(const Dist& d, float z, int64_t id) {
+  const float lp = d.log_prob(z, id);
+  return lp > -kInf ? expf(lp) : 0.0f;
 }
-
-__device__ __forceinline__ Dist softmax_dist(float max, float inv, float cut, double sum) {
-  return Dist{max, inv, cut, (float)log(sum), sum, -1};
+__device__ __forceinline__ float prob_fast(const Dist& d, float z, int64_t id) {  // pass 2's streaming sums
+  const float lp = d.log_prob(z, id);
+  return lp > -kInf ? fast_exp(lp) : 0.0f;
+}
+// The unnormalised sampling weight exp(s_j) of a kept id (what p-sampling scans).
+__device__ __forceinline__ float sampling_weight(const Dist& d, float z) {
+  const float s = d.scaled(z);
+  return s >= d.cut ? expf(s) : 0.0f;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -763,8 +715,8 @@ __device__ __forceinline__ void pass_two(const T* __restrict__ target, const T* 
       }
       if (need_residual) {
         if (!(need_div && shared_dists)) {
-          pp = p.prob_fast(zt, j + i);
-          qq = zd > -kInf ? q.prob_fast(zd, j + i) : 0.0f;
+          pp = prob_fast(p, zt, j + i);
+          qq = zd > -kInf ? prob_fast(q, zd, j + i) : 0.0f;
         }
         residual += pp > qq ? pp - qq : 0.0f;
       }
