@@ -16,7 +16,7 @@
 // The hot row loops are compiled once per x86 SIMD level and picked at load time (GCC/Clang
 // function multi-versioning), so a build runs AVX-512 / AVX2 / AVX code where the CPU has it and
 // SSE2 elsewhere. FSD_NO_CLONES (set by sanitizer builds) turns this off. GCC 13.2-14.2 crash on
-// some lambdas handed to these templates: see Dist::log_prob_float in row_ops.h.
+// some lambdas handed to these templates: see Dist::log_prob_float in fsd/numerics.h.
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__) && !defined(FSD_NO_CLONES)
 #define FSD_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "avx", "default")))
 #else

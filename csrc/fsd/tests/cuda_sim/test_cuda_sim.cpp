@@ -707,7 +707,7 @@ PassTwoBlocks count_pass_two_blocks(uint64_t seed) {
 // How many times a launch path reads the logits, on the GPU benchmark's inputs
 // (benchmarks/bench_accept_cuda.py, make_inputs): target N(0, 9), drafts the target plus N(0, 1),
 // drafted ids uniform, fsd / js at T = 0.3 unless the row says otherwise. The simulation counts the
-// bytes the kernels' load helpers read from the two logit buffers (device.cuh, FSD_SIM_READ), in
+// bytes the kernels' load helpers read from the two logit buffers (loads.cuh, FSD_SIM_READ), in
 // units of the logits' size. A memory-bound step that reads r times the logits, none of it from L2,
 // reaches at most 1/r of the read bandwidth.
 struct ReadCount {
