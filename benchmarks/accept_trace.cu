@@ -11,12 +11,12 @@
 //                  reached (first / median / last block, from the global timer) and how long each
 //                  phase takes inside a block (SM clock cycles, converted at the measured clock).
 //
-//   build/accept_timing [--steps 10] [--replays 20] [--repeats 5] [--only SUBSTRING] [--env A=1,B=2]...
-//   build/accept_trace  [--only SUBSTRING] [--env A=1,B=2]...
+//   build/accept_timing [--steps 10] [--replays 20] [--repeats 5] [--only SUBSTRING] [--launch splits=8,pdl=1]...
+//   build/accept_trace  [--only SUBSTRING] [--launch splits=8,pdl=1]...
 //
-// Each --env runs every unfiltered shape once more with those launcher switches set (the launcher
-// reads them on every call: FSD_EXT_CUDA_SPLITS=n, FSD_EXT_CUDA_PDL=1, FSD_EXT_CUDA_CLUSTER=1,
-// FSD_EXT_CUDA_STAGED=1).
+// Each --launch runs every unfiltered shape once more with those launch options (fsd::cuda::
+// LaunchOptions, the syntax of the binding's FSD_EXT_CUDA_LAUNCH: splits=n, pdl=1, cluster=1,
+// reverse=1).
 // Markdown on stdout. Needs a GPU; without one it says so and exits with status 2.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -113,6 +113,7 @@ __global__ void fill_tokens(int64_t* tokens, int64_t n, int64_t vocab) {
 // One shape's device buffers and problem.
 struct Case {
   fsd::AcceptProblem pb;
+  fsd::cuda::LaunchOptions options;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
   std::vector<void*> buffers;
@@ -163,13 +164,13 @@ struct Case {
     pb.divergences_wanted = false;  // as fsd_ext.accept without return_divergence
     plan();
   }
-  void plan() {  // (again after FSD_EXT_CUDA_SPLITS changes: the workspace depends on the chunks)
+  void plan() {  // (again after the options change: the workspace depends on the chunks)
     if (workspace) CHECK(cudaFree(workspace));
-    workspace_bytes = fsd::cuda::accept_workspace_bytes(pb);
+    workspace_bytes = fsd::cuda::accept_workspace_bytes(pb, options);
     CHECK(cudaMalloc(&workspace, workspace_bytes));
   }
   void launch(cudaStream_t stream) const {
-    CHECK(fsd::cuda::launch_accept(pb, workspace, workspace_bytes, stream));
+    CHECK(fsd::cuda::launch_accept(pb, options, workspace, workspace_bytes, stream));
   }
   ~Case() {
     for (void* p : buffers) cudaFree(p);
@@ -183,17 +184,17 @@ double median(std::vector<double> v) {
   return v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
 }
 
-// A set of launcher switches, e.g. {{"FSD_EXT_CUDA_SPLITS", "8"}, {"FSD_EXT_CUDA_PDL", "1"}}.
-using Switches = std::vector<std::pair<std::string, std::string>>;
+// A variant: launch options and their text ("splits=8,pdl=1", the label's suffix).
+struct Variant {
+  fsd::cuda::LaunchOptions options;
+  std::string text;
+};
 
 struct Options {
   int steps = 10, replays = 20, repeats = 5;
   std::string only;
-  std::vector<Switches> variants;
+  std::vector<Variant> variants;
 };
-
-const char* const kSwitchNames[] = {"FSD_EXT_CUDA_SPLITS", "FSD_EXT_CUDA_PDL", "FSD_EXT_CUDA_CLUSTER",
-                                    "FSD_EXT_CUDA_STAGED", "FSD_EXT_CUDA_REVERSE_DECIDE"};
 
 #ifndef FSD_CUDA_TRACE
 // Microseconds per step of `step` run `calls` times per measurement (median of repeats).
@@ -336,34 +337,6 @@ void run_trace(Case& c, const std::string& label, cudaStream_t stream) {
 }
 #endif
 
-// "A=1,B=2" -> {{A, 1}, {B, 2}}; false on an entry without '=' or a name the launcher does not read.
-bool parse_switches(const std::string& text, Switches& out) {
-  size_t from = 0;
-  while (from <= text.size()) {
-    const size_t comma = std::min(text.find(',', from), text.size());
-    const std::string entry = text.substr(from, comma - from);
-    const size_t eq = entry.find('=');
-    if (eq == std::string::npos) return false;
-    const std::string name = entry.substr(0, eq);
-    if (std::none_of(std::begin(kSwitchNames), std::end(kSwitchNames), [&](const char* n) { return name == n; }))
-      return false;
-    out.emplace_back(name, entry.substr(eq + 1));
-    from = comma + 1;
-  }
-  return !out.empty();
-}
-
-// Sets `switches` and clears every other launcher switch; returns the label suffix (" A=1 B=2").
-std::string apply_switches(const Switches& switches) {
-  for (const char* name : kSwitchNames) unsetenv(name);
-  std::string label;
-  for (const auto& [name, value] : switches) {
-    setenv(name.c_str(), value.c_str(), 1);
-    label += " " + name.substr(std::strlen("FSD_EXT_CUDA_")) + "=" + value;
-  }
-  return label;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -379,15 +352,14 @@ int main(int argc, char** argv) {
     else if (arg == "--replays") o.replays = std::max(1, std::atoi(value));
     else if (arg == "--repeats") o.repeats = std::max(1, std::atoi(value));
     else if (arg == "--only") o.only = value;
-    else if (arg == "--env") {
-      Switches switches;
-      if (!parse_switches(value, switches)) {
-        std::fprintf(stderr, "--env wants NAME=VALUE[,NAME=VALUE...] with names among FSD_EXT_CUDA_SPLITS, "
-                             "FSD_EXT_CUDA_PDL, FSD_EXT_CUDA_CLUSTER, FSD_EXT_CUDA_STAGED, FSD_EXT_CUDA_REVERSE_DECIDE; "
-                             "got %s\n", value);
+    else if (arg == "--launch") {
+      Variant v{{}, value};
+      const std::string error = fsd::cuda::parse_launch_options(v.text, v.options);
+      if (!error.empty() || v.text.empty()) {
+        std::fprintf(stderr, "--launch %s: %s\n", value, error.empty() ? "no option given" : error.c_str());
         return 1;
       }
-      o.variants.push_back(switches);
+      o.variants.push_back(v);
     } else {
       std::fprintf(stderr, "unknown argument %s\n", arg.c_str());
       return 1;
@@ -414,10 +386,11 @@ int main(int argc, char** argv) {
   for (const Shape& s : kShapes) {
     if (!o.only.empty() && std::string(s.name).find(o.only) == std::string::npos) continue;
     Case c(s);
-    std::vector<Switches> variants = {{}};  // first the planner's choice, no switch set
+    std::vector<Variant> variants = {{}};  // first the planner's choice, the default options
     if (s.top_p >= 1.0f) variants.insert(variants.end(), o.variants.begin(), o.variants.end());
-    for (const Switches& switches : variants) {
-      const std::string label = s.name + apply_switches(switches);
+    for (const Variant& v : variants) {
+      const std::string label = v.text.empty() ? std::string(s.name) : s.name + (" " + v.text);
+      c.options = v.options;
       c.plan();  // (the workspace depends on the chunks)
 #ifdef FSD_CUDA_TRACE
       run_trace(c, label, stream);
@@ -425,7 +398,6 @@ int main(int argc, char** argv) {
       run_timing(c, label, o, stream);
 #endif
     }
-    apply_switches({});
     CHECK(cudaStreamSynchronize(stream));
   }
   CHECK(cudaStreamDestroy(stream));

@@ -2,9 +2,10 @@
 
 Per shape it times one verification step of the fused kernels (eager call, replay of a CUDA graph
 holding the call, and per step of a graph holding GRAPH_STEPS calls back to back: no host replay
-cost between steps, as inside a decoding loop's graph), on the default path and, on sm_90+, on the
-staged path
-(FSD_EXT_CUDA_STAGED=1: thread-block clusters, logits read once), and compares with:
+cost between steps, as inside a decoding loop's graph) on the planner's path, then the same with
+each launch-option variant (FSD_EXT_CUDA_LAUNCH, e.g. splits=8, pdl=1, cluster=1, reverse=1: the
+opt-in paths not yet measured on a GPU) in a second table next to the planner's times, and
+compares with:
   - the bandwidth of a device-to-device copy measured in the same run (the roof: the kernels must
     read both logits tensors at least once; GB/s counts those bytes only);
   - an eager PyTorch implementation of the same step on the GPU (the shape's rule, divergence and
@@ -50,9 +51,10 @@ SHAPES = [
 
 
 GRAPH_STEPS = 10  # accept calls per replay of the multi-step graph
-# The launcher's switches, all off: the planner's choice (FSD_EXT_CUDA_SPLITS=0: no forced split).
-SWITCHES_OFF = {"FSD_EXT_CUDA_STAGED": "0", "FSD_EXT_CUDA_CLUSTER": "0", "FSD_EXT_CUDA_PDL": "0",
-                "FSD_EXT_CUDA_SPLITS": "0"}
+# The launch-option variants timed against the planner's choice by default (FSD_EXT_CUDA_LAUNCH
+# values): other vocabulary splits, and every opt-in path of the launcher.
+DEFAULT_VARIANTS = ["splits=1", "splits=8", "splits=32", "pdl=1", "cluster=1", "reverse=1"]
+LAUNCH_OPTION_NAMES = ("splits", "pdl", "cluster", "reverse")
 
 
 def cuda_time_us(fn, iters: int, repeats: int = 5) -> float:
@@ -132,11 +134,12 @@ def step_options(extra: dict) -> dict:
 
 
 def launcher_path(call, op: str = "fsd_ext.accept cuda:") -> str:
-    """The path the CUDA launcher took for call() (it logs it on stderr with FSD_EXT_CUDA_LOG=1,
-    lines starting with `op`)."""
+    """The path the CUDA launcher took for call() (it logs it on stderr with the launch option
+    log=1 added to FSD_EXT_CUDA_LAUNCH, lines starting with `op`)."""
+    options = os.environ.get("FSD_EXT_CUDA_LAUNCH")
     with tempfile.TemporaryFile() as log:
         saved = os.dup(2)
-        os.environ["FSD_EXT_CUDA_LOG"] = "1"
+        os.environ["FSD_EXT_CUDA_LAUNCH"] = f"{options},log=1" if options else "log=1"
         os.dup2(log.fileno(), 2)
         try:
             call()
@@ -144,19 +147,26 @@ def launcher_path(call, op: str = "fsd_ext.accept cuda:") -> str:
         finally:
             os.dup2(saved, 2)
             os.close(saved)
-            del os.environ["FSD_EXT_CUDA_LOG"]
+            set_launch_options(options)
         log.seek(0)
         lines = [line for line in log.read().decode().splitlines() if op in line]
     return lines[-1].split("path=")[1].split()[0] if lines else "?"
 
 
-def time_accept(target, draft, tokens, kw, env: dict):
+def set_launch_options(options):
+    """FSD_EXT_CUDA_LAUNCH = `options` (None: unset, the planner's defaults)."""
+    if options is None:
+        os.environ.pop("FSD_EXT_CUDA_LAUNCH", None)
+    else:
+        os.environ["FSD_EXT_CUDA_LAUNCH"] = options
+
+
+def time_accept(target, draft, tokens, kw, launch: str = ""):
     """(eager us, CUDA-graph replay us, per step of a GRAPH_STEPS-step graph us, launcher path) of
-    one accept call with the launcher's environment switches `env` set and the others off (they
-    are read on every call)."""
-    env = {**SWITCHES_OFF, **env}
-    previous = {name: os.environ.get(name) for name in env}
-    os.environ.update(env)
+    one accept call with the launch options `launch` (FSD_EXT_CUDA_LAUNCH, read on every call; ""
+    for the planner's defaults)."""
+    previous = os.environ.get("FSD_EXT_CUDA_LAUNCH")
+    set_launch_options(launch)
     try:
         path = launcher_path(lambda: ops.accept(target, draft, tokens, **kw))
         eager_us = cuda_time_us(lambda: ops.accept(target, draft, tokens, **kw), iters=20)
@@ -168,11 +178,7 @@ def time_accept(target, draft, tokens, kw, env: dict):
         graph_us, steps_us = (cuda_time_us(capture(lambda: ops.accept(target, draft, tokens, **kw), n).replay,
                                            iters=100 // n) / n for n in (1, GRAPH_STEPS))
     finally:
-        for name, value in previous.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        set_launch_options(previous)
     return eager_us, graph_us, steps_us, path
 
 
@@ -230,9 +236,9 @@ def coin_accepted_pct(target, draft, tokens, seed, extra):
     return 100.0 * (coins * q <= p).double().mean().item()
 
 
-def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, staged, variants):
-    """The kernels' times on one shape (planner, staged, the launcher switch `variants`, e.g.
-    ["SPLITS=8", "PDL=1"]) and the eager step's."""
+def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, variants):
+    """The kernels' times on one shape (the planner's path, then each launch-option variant, e.g.
+    ["splits=8", "pdl=1"]) and the eager step's."""
     target, draft, tokens, coins, uniforms = make_inputs(batch, k, vocab, dtype)
     seed = torch.tensor(1, dtype=torch.int64, device="cuda")
     offset = torch.zeros(1, dtype=torch.int64, device="cuda")
@@ -240,35 +246,23 @@ def bench_shape(name, batch, k, vocab, dtype, extra, copy_gbs, staged, variants)
     kw.update(extra)
     logits_bytes = (target.numel() + draft.numel()) * target.element_size()
 
-    eager_us, graph_us, steps_us, path = time_accept(target, draft, tokens, kw, {})
-    staged_eager_us = staged_graph_us = staged_steps_us = staged_path = None
-    if staged and "top_p" not in extra:  # filters need whole-row selections: never staged
-        staged_eager_us, staged_graph_us, staged_steps_us, staged_path = time_accept(
-            target, draft, tokens, kw, {"FSD_EXT_CUDA_STAGED": "1"})
-    # Launcher switches against the planner's choice: other vocabulary splits (FSD_EXT_CUDA_SPLITS),
-    # programmatic dependent launch (FSD_EXT_CUDA_PDL), the unstaged cluster path (FSD_EXT_CUDA_CLUSTER).
+    eager_us, graph_us, steps_us, path = time_accept(target, draft, tokens, kw)
+    # Launch options against the planner's choice (filters need whole-row selections: one chunk).
     switch_variants = {}
     if "top_p" not in extra:
         for variant in variants:
-            switch, value = variant.split("=", 1)
-            e, gr, st, p = time_accept(target, draft, tokens, kw, {f"FSD_EXT_CUDA_{switch}": value})
+            e, gr, st, p = time_accept(target, draft, tokens, kw, variant)
             switch_variants[variant] = {"eager_us": e, "graph_us": gr, "graph_steps_us": st, "path": p}
 
     args = (target, draft, tokens, coins, uniforms, 0.3)
     diagnostic = "[diagnostic]" in name
     ref_us = None if diagnostic else cuda_time_us(lambda: torch_step(*args, **step_options(extra)), iters=5, repeats=3)
-    default_us = min(eager_us, graph_us, steps_us)
-    staged_us = min(staged_eager_us, staged_graph_us, staged_steps_us) if staged_eager_us is not None else None
-    best_us = min(t for t in (default_us, staged_us) if t is not None)
+    best_us = min(eager_us, graph_us, steps_us)
     gbs = logits_bytes / (best_us * 1e-6) / 1e9
-    pct = lambda us: 100.0 * logits_bytes / (us * 1e-6) / 1e9 / copy_gbs  # noqa: E731
     return {
         "shape": name, "batch": batch, "k": k, "vocab": vocab, "dtype": str(dtype).replace("torch.", ""),
         "logits_bytes": logits_bytes, "path": path, "eager_us": eager_us, "graph_us": graph_us,
-        "graph_steps_us": steps_us, "graph_steps": GRAPH_STEPS, "staged_request_path": staged_path,
-        "staged_eager_us": staged_eager_us, "staged_graph_us": staged_graph_us, "staged_graph_steps_us": staged_steps_us,
-        "staged_pct_copy_bw": pct(staged_us) if staged_us else None,
-        "default_pct_copy_bw": pct(default_us),
+        "graph_steps_us": steps_us, "graph_steps": GRAPH_STEPS,
         "switch_variants": switch_variants,
         "best_us": best_us, "gbs": gbs,
         "pct_copy_bw": 100.0 * gbs / copy_gbs, "torch_eager_us": ref_us, "torch_compile_us": None,
@@ -307,25 +301,21 @@ def summarize(results):
         return format(x, spec[:-1]) + "%" if spec.endswith("%") else format(x, spec)
 
     # "graph us": one call per replay; "/ N": per step of a graph holding N calls.
-    header = (f"| shape | path | eager us | graph us / {GRAPH_STEPS} | staged eager us | staged graph us / {GRAPH_STEPS} | "
-              "GB/s (best) | % copy BW (default / staged) | torch eager us | torch.compile us | x eager | x compile | "
-              "coin-accepted |")
-    lines = [header, "|" + "---|" * 13]
+    header = (f"| shape | path | eager us | graph us / {GRAPH_STEPS} | GB/s (best) | % copy BW | torch eager us | "
+              "torch.compile us | x eager | x compile | coin-accepted |")
+    lines = [header, "|" + "---|" * 11]
     for r in results:
-        paths = r["path"] + (f" / {r['staged_request_path']}" if r["staged_request_path"] else "")
-        lines.append(f"| {r['shape']} | {paths} | {r['eager_us']:.1f} | {r['graph_us']:.1f} / {r['graph_steps_us']:.1f} | "
-                     f"{fmt(r['staged_eager_us'])} | {fmt(r['staged_graph_us'])} / {fmt(r['staged_graph_steps_us'])} | "
-                     f"{r['gbs']:.0f} | "
-                     f"{r['default_pct_copy_bw']:.0f}% / {fmt(r['staged_pct_copy_bw'], '.0f%')} | "
+        lines.append(f"| {r['shape']} | {r['path']} | {r['eager_us']:.1f} | {r['graph_us']:.1f} / {r['graph_steps_us']:.1f} | "
+                     f"{r['gbs']:.0f} | {r['pct_copy_bw']:.0f}% | "
                      f"{fmt(r['torch_eager_us'])} | {fmt(r['torch_compile_us'])} | {fmt(r['speedup_vs_eager'])} | "
                      f"{fmt(r['speedup_vs_compile'])} | {fmt(r.get('coin_accepted_pct'), '.0f%')} |")
     variants = list(dict.fromkeys(n for r in results for n in r.get("switch_variants", {})))
     def times(r):  # "eager / graph / graph of GRAPH_STEPS steps" us
         return f"{r['eager_us']:.1f} / {r['graph_us']:.1f} / {r['graph_steps_us']:.1f}"
 
-    if variants:  # the planner's choice against launcher switches (the path taken and its times)
+    if variants:  # the planner's choice against launch options (the path taken and its times)
         lines += ["", f"| shape | planner: path, eager / graph / graph of {GRAPH_STEPS} us | "
-                  + " | ".join(f"FSD_EXT_CUDA_{n}" for n in variants) + " |",
+                  + " | ".join(f"FSD_EXT_CUDA_LAUNCH={n}" for n in variants) + " |",
                   "|" + "---|" * (2 + len(variants))]
         for r in results:
             cells = [f"{v['path']} {times(v)}" if (v := r.get("switch_variants", {}).get(n)) else "n/a" for n in variants]
@@ -333,8 +323,7 @@ def summarize(results):
     if len(results) < 3:  # a run cut short: the targets need the first three shapes
         return "\n".join(lines), {}
     b1 = results[2]
-    graph_us = [t for t in (b1["graph_us"], b1["graph_steps_us"], b1["staged_graph_us"], b1["staged_graph_steps_us"])
-                if t is not None]
+    graph_us = [b1["graph_us"], b1["graph_steps_us"]]
     targets = {
         "B64 bf16 >= 80% copy BW": results[0]["pct_copy_bw"] >= 80.0,
         f"B1 V151936 graph <= 10 us per step (1 or {GRAPH_STEPS} steps per replay)": min(graph_us) <= 10.0,
@@ -349,24 +338,22 @@ def main():
     parser.add_argument("--budget-s", type=float, default=240.0,
                         help="start no torch.compile after this many seconds (compiles run after every kernel time)")
     parser.add_argument("--compile-budget-s", type=float, default=60.0, help="skip compile results slower than this")
-    parser.add_argument("--no-staged", action="store_true", help="skip the staged path (FSD_EXT_CUDA_STAGED=1)")
-    parser.add_argument("--variants", default="SPLITS=1,SPLITS=8,SPLITS=32,PDL=1,CLUSTER=1",
-                        help="also time with these launcher switches (FSD_EXT_CUDA_<NAME>=<VALUE>), comma-separated; "
-                             "'' for none")
+    parser.add_argument("--variants", nargs="*", default=DEFAULT_VARIANTS,
+                        help="also time with each of these launch options (FSD_EXT_CUDA_LAUNCH values, e.g. "
+                             "splits=8 or pdl=1,splits=32); none given: no variants")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "needs a GPU"
     deadline = time.monotonic() + args.budget_s
     copy_gbs = copy_bandwidth_gbs()
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"D2D copy bandwidth: {copy_gbs:.0f} GB/s")
-    staged = not args.no_staged and torch.cuda.get_device_capability()[0] >= 9
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    variants = [v.strip() for v in args.variants if v.strip()]
     for v in variants:
-        if v.split("=")[0] not in ("SPLITS", "PDL", "CLUSTER") or "=" not in v:
-            parser.error(f"--variants: {v!r} is not SPLITS=n, PDL=0/1 or CLUSTER=0/1")
+        if any("=" not in entry or entry.split("=")[0] not in LAUNCH_OPTION_NAMES for entry in v.split(",")):
+            parser.error(f"--variants: {v!r} is not NAME=VALUE[,NAME=VALUE] with names among {LAUNCH_OPTION_NAMES}")
     results = []
     for shape in SHAPES:
-        results.append(bench_shape(*shape, copy_gbs, staged, variants))
+        results.append(bench_shape(*shape, copy_gbs, variants))
         r = results[-1]
         speedup = f"{r['speedup_vs_eager']:.1f}x eager" if r["speedup_vs_eager"] else "no eager baseline"
         print(f"  done {r['shape']}: best {r['best_us']:.1f} us ({r['pct_copy_bw']:.0f}% of copy BW, {speedup})",
@@ -380,7 +367,7 @@ def main():
     table, targets = write(args.out, copy_gbs, results)
     print()
     print(f"D2D copy bandwidth (read + write): {copy_gbs:.0f} GB/s; GB/s = logits bytes / best time "
-          "(either path, eager or graph)")
+          "(the planner's path, eager or graph)")
     print(table)
     for name, ok in targets.items():
         print(f"target {name}: {'MET' if ok else 'NOT MET'}")

@@ -3,7 +3,7 @@
 Per shape it times one sample call (eager, and per replay of a CUDA graph holding it; seed and
 offset are device tensors, as in a decoding loop's graph) on the path the launcher picks (few
 unfiltered rows: the split path, a row's vocabulary cut into chunks on many SMs) and, where that is
-the split path, eagerly on the one-block-per-row path too (FSD_EXT_CUDA_SPLITS=1), and compares with:
+the split path, eagerly on the one-block-per-row path too (FSD_EXT_CUDA_LAUNCH=splits=1), and compares with:
   - the bandwidth of a device-to-device copy measured in the same run (GB/s counts the logits
     bytes: the kernel must read them at least once);
   - the same sampler in eager PyTorch (float32 tempered logits, the shape's filter, softmax,
@@ -73,11 +73,11 @@ def bench_shape(name, batch, vocab, dtype, filters, copy_gbs):
     eager_us = cuda_time_us(call, iters=20)
     one_block_us = None
     if path == "split":
-        os.environ["FSD_EXT_CUDA_SPLITS"] = "1"
+        os.environ["FSD_EXT_CUDA_LAUNCH"] = "splits=1"
         try:
             one_block_us = cuda_time_us(call, iters=20)
         finally:
-            del os.environ["FSD_EXT_CUDA_SPLITS"]
+            del os.environ["FSD_EXT_CUDA_LAUNCH"]
     stream = torch.cuda.Stream()  # warm-up off the default stream before capture
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -8,16 +8,15 @@
 #      H200 image sets 9.0a) unless a prebuilt one is carried (below), and calls accept once on the
 #      GPU; meanwhile, in the background, the CPU kernels' sources are compiled with this machine's
 #      C++ compiler (the image's GCC 13 once failed on them while CI's GCC 12 did not);
-#   2. pytest -m cuda $CUDA_TESTS -k "not (staged or pdl or cluster)" (parity CUDA / CPU
+#   2. pytest -m cuda $CUDA_TESTS -k "not (pdl or cluster)" (parity CUDA / CPU
 #      kernel / reference, statistics, CUDA graphs, NaN rows, no host sync, generate with graphs);
 #   3. the opt-in paths, after step 2 so that a fault there cannot spoil step 2's results: the
-#      staged tests and every test of an unfiltered accept call again with FSD_EXT_CUDA_STAGED=1
-#      (thread-block clusters holding the vocabulary chunks in shared memory, sm_90), and the
-#      tests of the unstaged cluster path (FSD_EXT_CUDA_CLUSTER=1) and of programmatic dependent
-#      launch (FSD_EXT_CUDA_PDL=1), whose fixtures set their switches;
+#      tests of the cluster path (FSD_EXT_CUDA_LAUNCH=cluster=1, thread-block clusters, sm_90)
+#      and of programmatic dependent launch (pdl=1), whose fixtures set the launch options;
 #   4. the kernel benchmark (benchmarks/bench_accept_cuda.py): one table per shape with us, GB/s,
-#      % of the D2D copy bandwidth (default and staged path) and the speed-ups over eager PyTorch
-#      and torch.compile; then the torch-free step timer and phase tracer (benchmarks/
+#      % of the D2D copy bandwidth and the speed-ups over eager PyTorch and torch.compile, and one
+#      of the launch-option variants (forced splits and every opt-in path: pdl, cluster, reverse)
+#      against the planner's path; then the torch-free step timer and phase tracer (benchmarks/
 #      accept_trace.cu, built by benchmarks/build_accept_trace.sh in the background during steps
 #      2-4 unless carried): per shape a step's time eager, in a one-step graph and per step of a
 #      multi-step graph, and where inside the kernels a step's time goes; then the sampling
@@ -66,9 +65,6 @@ start=$SECONDS
 status=0
 # The files holding CUDA tests (test_accept.py: its device-parametrized tests' cuda cases).
 CUDA_TESTS="tests/test_cuda.py tests/test_cuda_launch.py tests/test_accept.py"
-# Step 3's selection: the staged tests and every test whose accept calls the staged path can take.
-STAGED_TESTS="staged or accept or split_vocab or greedy_rows or divergence_options or sd_emits or fsd_under"
-STAGED_TESTS+=" or graph_capture or no_host_sync or nan or out_of_range or generate or pdl or cluster"
 step() { echo; echo "=== [$((SECONDS - start))s] $*" | tee -a "$WORK/summary.txt"; }
 note() { echo "=== $*" | tee -a "$WORK/summary.txt"; }
 pack() {  # the archive and the summaries into $OUT (after every step)
@@ -168,35 +164,31 @@ print("extension loaded; CUDA accept:", ops.accept(x, x[:, :1], torch.zeros(1, 1
 PY
 check "one accept call on the GPU" "$rc" "$WORK/smoke.log" || true
 
-step "tests (pytest -m cuda $CUDA_TESTS -k 'not (staged or pdl or cluster)')"
+step "tests (pytest -m cuda $CUDA_TESTS -k 'not (pdl or cluster)')"
 rc=0
-limited 150 "$PY" -m pytest -m cuda $CUDA_TESTS -k "not (staged or pdl or cluster)" "${PYTEST_OPTS[@]}" \
+limited 150 "$PY" -m pytest -m cuda $CUDA_TESTS -k "not (pdl or cluster)" "${PYTEST_OPTS[@]}" \
   --junitxml="$WORK/test_cuda.xml" >"$WORK/test_cuda.log" 2>&1 || rc=$?
 tail -n 25 "$WORK/test_cuda.log"
 check "CUDA tests" "$rc" "$WORK/test_cuda.log" || true
 
-step "tests, opt-in paths (FSD_EXT_CUDA_STAGED=1 pytest -m cuda $CUDA_TESTS -k '$STAGED_TESTS')"
+step "tests, opt-in paths (pytest -m cuda $CUDA_TESTS -k 'pdl or cluster')"
 rc=0
-FSD_EXT_CUDA_STAGED=1 limited 150 "$PY" -m pytest -m cuda $CUDA_TESTS -k "$STAGED_TESTS" "${PYTEST_OPTS[@]}" \
-  --junitxml="$WORK/test_cuda_staged.xml" >"$WORK/test_cuda_staged.log" 2>&1 || rc=$?
-tail -n 25 "$WORK/test_cuda_staged.log"
-# An opt-in path that failed its tests (all of them when the run was cut) is not benchmarked.
-bench_flags=()
-variants="SPLITS=1,SPLITS=8,SPLITS=32"
-if check "CUDA tests, opt-in paths (staged, cluster, PDL)" "$rc" "$WORK/test_cuda_staged.log"; then
-  variants+=",PDL=1,CLUSTER=1"
+limited 150 "$PY" -m pytest -m cuda $CUDA_TESTS -k "pdl or cluster" "${PYTEST_OPTS[@]}" \
+  --junitxml="$WORK/test_cuda_opt_in.xml" >"$WORK/test_cuda_opt_in.log" 2>&1 || rc=$?
+tail -n 25 "$WORK/test_cuda_opt_in.log"
+# An opt-in path that failed its tests (all of them when the run was cut) is not benchmarked; the
+# reversed decisions' tests ran in step 2.
+variants=(splits=1 splits=8 splits=32 reverse=1)
+if check "CUDA tests, opt-in paths (cluster, PDL)" "$rc" "$WORK/test_cuda_opt_in.log"; then
+  variants+=(pdl=1 cluster=1)
 else
-  failed=$(grep -E "^(FAILED|ERROR) " "$WORK/test_cuda_staged.log" || true)
-  if [[ -z "$failed" ]] || grep -Evq "pdl|cluster" <<<"$failed"; then
-    bench_flags+=(--no-staged)
-    note "the staged path failed its tests (or the run was cut): benchmarked without it"
-  fi
-  for path in PDL CLUSTER; do
-    if [[ -n "$failed" ]] && ! grep -qi "$path" <<<"$failed"; then variants+=",$path=1"
+  failed=$(grep -E "^(FAILED|ERROR) " "$WORK/test_cuda_opt_in.log" || true)
+  for path in pdl cluster; do
+    if [[ -n "$failed" ]] && ! grep -qi "$path" <<<"$failed"; then variants+=("$path=1")
     else note "$path=1 failed its tests (or the run was cut): benchmarked without it"; fi
   done
 fi
-bench_flags+=(--variants "$variants")
+bench_flags=(--variants "${variants[@]}")
 
 step "benchmark (benchmarks/bench_accept_cuda.py)"
 rc=0
@@ -211,10 +203,9 @@ if [[ -n "$harness_pid" ]]; then  # still building: wait up to 2 minutes
 fi
 if harness_ready; then
   rc=0
-  { limited 60 "$HARNESS/accept_timing" --steps 10 --env FSD_EXT_CUDA_SPLITS=8 --env FSD_EXT_CUDA_SPLITS=32 \
-      --env FSD_EXT_CUDA_PDL=1 --env FSD_EXT_CUDA_CLUSTER=1 --env FSD_EXT_CUDA_STAGED=1 \
-      --env FSD_EXT_CUDA_REVERSE_DECIDE=1 >"$WORK/accept_timing.md" &&
-    limited 60 "$HARNESS/accept_trace" --env FSD_EXT_CUDA_PDL=1 --env FSD_EXT_CUDA_CLUSTER=1 \
+  { limited 60 "$HARNESS/accept_timing" --steps 10 --launch splits=8 --launch splits=32 \
+      --launch pdl=1 --launch cluster=1 --launch reverse=1 >"$WORK/accept_timing.md" &&
+    limited 60 "$HARNESS/accept_trace" --launch pdl=1 --launch cluster=1 \
       >"$WORK/accept_trace.md"; } 2>"$WORK/accept_harness.log" || rc=$?
   head -n 20 "$WORK/accept_timing.md"
   check "step timer and phase tracer" "$rc" "$WORK/accept_harness.log" || true

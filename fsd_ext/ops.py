@@ -2,9 +2,11 @@
 
 The ops themselves (schemas, CPU and CUDA kernels) are registered by the compiled extension
 `fsd_ext._C` under the `fsd_ext` namespace; their fake kernels are registered here, so a function
-that calls them compiles with `torch.compile(fullgraph=True)`. Everything that can be checked from
-shapes and dtypes is checked here with a clear message; what needs the tensor values (token ids in
-range, NaN logits) is checked inside the kernels.
+that calls them compiles with `torch.compile(fullgraph=True)`. The ops check their arguments'
+shapes, dtypes, devices and values themselves, with messages that name the argument
+(csrc/torch/problem.h: the one place); this front end keeps only what the ops cannot see: Python
+types, None for "off", names for the rule / divergence / purpose ids, and the reshapes of
+[V] / [B, V] / [..., V] arguments.
 """
 
 from __future__ import annotations
@@ -66,59 +68,36 @@ if _IMPORT_ERROR is None:
 # ----------------------------------------------------------------------------------------------
 # Argument normalisation.
 
-def _check_logits(name: str, logits, ndim: int):
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(logits).__name__}")
-    if logits.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(logits.shape)}")
-    if logits.dtype not in _LOGIT_DTYPES:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {logits.dtype}")
-    if logits.shape[-1] < 1:
-        raise ValueError(f"{name} must have a vocabulary of at least 1, got shape {tuple(logits.shape)}")
-    if logits.stride(-1) != 1 and logits.shape[-1] > 1 and logits.numel() > 0:
-        # (a size-1 or empty vocab dim may have any stride: torch calls such tensors contiguous)
-        raise ValueError(f"{name} must be contiguous along the vocabulary (last) dim")
+def _check_tensor(name: str, value):
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
-def _check_device(name: str, tensor: Optional[torch.Tensor], device: torch.device):
-    if tensor is not None and tensor.device != device:
-        raise ValueError(f"{name} is on {tensor.device}, expected {device} like the logits")
+def _check_devices(device: torch.device, **tensors):
+    """Every tensor argument on the logits' device. The op cannot check this: the dispatcher picks
+    its kernel from the arguments' devices (a meta tensor among CPU ones runs the fake kernel)."""
+    for name, tensor in tensors.items():
+        if isinstance(tensor, torch.Tensor) and tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device}, expected {device} like the logits")
 
 
-_FLOAT32_MAX = torch.finfo(torch.float32).max
-
-
-def _row_arg(name: str, value, batch: int, device, *, allow_zero: bool = True, finite: bool = False):
-    """A float, or a [B] tensor, -> (tensor or None, scalar) for the op. `finite`: the value must
-    also be a finite float32 (temperatures: an infinite one makes softmax of -inf logits NaN)."""
+def _row_arg(name: str, value):
+    """A float, or a [B] tensor, -> (tensor or None, scalar) for the op (which checks the range and
+    the shape); a floating tensor goes as float32."""
     if isinstance(value, torch.Tensor):
-        if value.dim() != 1 or value.shape[0] != batch:
-            raise ValueError(f"{name} must be a float or a [{batch}] tensor, got shape {tuple(value.shape)}")
-        if not value.is_floating_point():
-            raise TypeError(f"{name} tensor must be floating point, got {value.dtype}")
-        _check_device(name, value, device)
-        return value.to(torch.float32).contiguous(), 0.0
+        return (value.to(torch.float32).contiguous() if value.is_floating_point() else value), 0.0
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise TypeError(f"{name} must be a float or a [B] tensor, got {type(value).__name__}")
-    value = float(value)
-    if not value >= 0.0 or (value == 0.0 and not allow_zero):  # `not >=` also rejects NaN
-        raise ValueError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
-    if finite and not value <= _FLOAT32_MAX:
-        raise ValueError(f"{name} must be finite (at most {_FLOAT32_MAX:.4g}, float32), got {value}")
-    return None, value
+    return None, float(value)
 
 
-def _seed_arg(seed: SeedArg, generator: Optional[torch.Generator], batch: int, device):
+def _seed_arg(seed: SeedArg, generator: Optional[torch.Generator]):
     """-> (seed tensor or None, scalar seed, per_row) for the op. An int64 tensor [B] holds per-row
     seeds; a [] tensor (may live on the device, for graph capture) is one seed for the call. Without
     a seed one is drawn from `generator` (or torch's default one), so torch.manual_seed makes calls
     reproducible."""
     if isinstance(seed, torch.Tensor):
-        if seed.dtype != torch.int64 or seed.dim() > 1 or (seed.dim() == 1 and seed.shape[0] != batch):
-            raise ValueError(f"seed tensor must be int64 of shape [{batch}] (per row) or [] "
-                             f"(one for the call), got {seed.dtype} {tuple(seed.shape)}")
-        _check_device("seed", seed, device)
-        return seed.reshape(-1).contiguous(), 0, seed.dim() == 1
+        return (seed.reshape(1) if seed.dim() == 0 else seed).contiguous(), 0, seed.dim() == 1
     if seed is None:
         seed = int(torch.randint(0, 2**62, (), generator=generator))
     if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
@@ -131,26 +110,33 @@ def wrap_int64(value: int) -> int:
     return (value + 2**63) % 2**64 - 2**63
 
 
-def _offset_arg(offset, device):
+def _offset_arg(offset):
     if isinstance(offset, torch.Tensor):
-        if offset.dtype != torch.int64 or offset.numel() != 1:
-            raise ValueError(f"offset tensor must be a one-element int64 tensor, got {offset.dtype} "
-                             f"{tuple(offset.shape)}")
-        _check_device("offset", offset, device)
-        return offset.reshape(1), 0
-    if not isinstance(offset, numbers.Integral) or not 0 <= offset < 2**63:
+        return (offset.reshape(1) if offset.numel() == 1 else offset), 0
+    # (an int past int64 cannot reach the op; the op checks >= 0)
+    if not isinstance(offset, numbers.Integral) or not -2**63 <= offset < 2**63:
         raise ValueError(f"offset must be an int in [0, 2^63) or an int64 tensor, got {offset!r}")
     return None, int(offset)
 
 
+def _top_k_arg(name: str, value) -> int:
+    """None (off) -> 0 for the op; an int must be >= 1 (the op reads 0 as off)."""
+    if value is not None and (not isinstance(value, numbers.Integral) or value < 1):
+        raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+    return int(value or 0)
+
+
+def _float_arg(name: str, value, off: float) -> float:
+    """None -> `off` for the op, which checks the range."""
+    if value is None:
+        return off
+    if not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be None or a float, got {value!r}")
+    return float(value)
+
+
 def _filter_args(top_k, top_p, min_p):
-    if top_k is not None and (not isinstance(top_k, numbers.Integral) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    if top_p is not None and not (isinstance(top_p, numbers.Real) and 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be None or a float in (0, 1], got {top_p!r}")
-    if min_p is not None and not (isinstance(min_p, numbers.Real) and 0.0 <= min_p <= 1.0):
-        raise ValueError(f"min_p must be None or a float in [0, 1], got {min_p!r}")
-    return (int(top_k or 0), float(1.0 if top_p is None else top_p), float(min_p or 0.0))
+    return _top_k_arg("top_k", top_k), _float_arg("top_p", top_p, 1.0), _float_arg("min_p", min_p, 0.0)
 
 
 def _name_index(name: str, value, choices) -> int:
@@ -203,50 +189,31 @@ def accept(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens
         ...                      divergence="js", threshold=0.3, seed=0)
         >>> res.tokens[0, : res.num_accepted[0] + 1]  # the tokens row 0 appends
     """
-    _check_logits("target_logits", target_logits, 3)
-    _check_logits("draft_logits", draft_logits, 3)
-    batch, k_plus_1, target_vocab = target_logits.shape
-    device = target_logits.device
-    k = k_plus_1 - 1
-    if draft_logits.shape[0] != batch or draft_logits.shape[1] != k:
-        raise ValueError(f"draft_logits must be [B={batch}, K={k}, V_d], got {tuple(draft_logits.shape)}"
-                         f" (target_logits holds K+1 positions)")
-    if draft_logits.shape[2] > target_vocab:
-        raise ValueError(f"draft_logits vocabulary V_d={draft_logits.shape[2]} must be <= target vocabulary "
-                         f"V_t={target_vocab}")
-    if draft_logits.dtype != target_logits.dtype:
-        raise TypeError(f"draft_logits dtype {draft_logits.dtype} must match target_logits dtype "
-                        f"{target_logits.dtype}")
-    _check_device("draft_logits", draft_logits, device)
-    if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dtype not in _TOKEN_DTYPES:
-        raise TypeError("draft_tokens must be an int32 or int64 tensor")
-    if tuple(draft_tokens.shape) != (batch, k):
-        raise ValueError(f"draft_tokens must be [B={batch}, K={k}], got {tuple(draft_tokens.shape)}")
-    _check_device("draft_tokens", draft_tokens, device)
+    for name, value in (("target_logits", target_logits), ("draft_logits", draft_logits),
+                        ("draft_tokens", draft_tokens)):
+        _check_tensor(name, value)
     if num_draft is not None:
-        if not isinstance(num_draft, torch.Tensor) or num_draft.dtype not in _TOKEN_DTYPES:
-            raise TypeError("num_draft must be None or an int32/int64 tensor [B]")
-        if tuple(num_draft.shape) != (batch,):
-            raise ValueError(f"num_draft must be [B={batch}], got {tuple(num_draft.shape)}")
-        _check_device("num_draft", num_draft, device)
-        num_draft = num_draft.to(torch.int64).contiguous()
+        _check_tensor("num_draft", num_draft)
+        if num_draft.dtype == torch.int32:
+            num_draft = num_draft.to(torch.int64)
     rule_id = _name_index("rule", rule, RULES)
     div_id = _name_index("divergence", divergence, DIVERGENCES)
-    threshold_t, threshold_s = _row_arg("threshold", threshold, batch, device)
-    temperature_t, temperature_s = _row_arg("temperature", temperature, batch, device, finite=True)
+    threshold_t, threshold_s = _row_arg("threshold", threshold)
+    temperature_t, temperature_s = _row_arg("temperature", temperature)
     div_uses_sampling = div_temperature is None
-    div_temp_t, div_temp_s = (None, 1.0) if div_uses_sampling else _row_arg(
-        "div_temperature", div_temperature, batch, device, allow_zero=False, finite=True)
+    div_temp_t, div_temp_s = (None, 1.0) if div_uses_sampling else _row_arg("div_temperature", div_temperature)
     top_k_i, top_p_f, min_p_f = _filter_args(top_k, top_p, min_p)
-    if div_top_k is not None and (not isinstance(div_top_k, numbers.Integral) or div_top_k < 1):
-        raise ValueError(f"div_top_k must be None or an int >= 1, got {div_top_k!r}")
-    seed_t, seed_s, seed_per_row = _seed_arg(seed, generator, batch, device)
-    offset_t, offset_s = _offset_arg(offset, device)
+    div_top_k_i = _top_k_arg("div_top_k", div_top_k)
+    seed_t, seed_s, seed_per_row = _seed_arg(seed, generator)
+    offset_t, offset_s = _offset_arg(offset)
+    _check_devices(target_logits.device, draft_logits=draft_logits, draft_tokens=draft_tokens,
+                   num_draft=num_draft, threshold=threshold_t, temperature=temperature_t,
+                   div_temperature=div_temp_t, seed=seed_t, offset=offset_t)
     tokens, num_accepted, valid, div = _ops().accept(
         target_logits, draft_logits, draft_tokens.contiguous(), num_draft,
         threshold_t, threshold_s, temperature_t, temperature_s, div_temp_t, div_temp_s,
         div_uses_sampling, seed_t, seed_s, seed_per_row, offset_t, offset_s, rule_id, div_id,
-        top_k_i, top_p_f, min_p_f, int(div_top_k or 0), bool(return_divergence))
+        top_k_i, top_p_f, min_p_f, div_top_k_i, bool(return_divergence))
     return AcceptResult(tokens, num_accepted, valid, div if return_divergence else None)
 
 
@@ -262,26 +229,21 @@ def divergence(target_logits: torch.Tensor, draft_logits: torch.Tensor, kind: st
         >>> fsd_ext.divergence(torch.randn(4, 32000), torch.randn(4, 32000), kind="kl")  # [4]
     """
     for name, logits in (("target_logits", target_logits), ("draft_logits", draft_logits)):
-        if not isinstance(logits, torch.Tensor) or logits.dim() < 1:
-            raise ValueError(f"{name} must be a tensor [..., V]")
-        _check_logits(name, logits, logits.dim())
+        _check_tensor(name, logits)
+        if logits.dim() < 1:
+            raise ValueError(f"{name} must be a tensor [..., V], got shape {tuple(logits.shape)}")
+    # The op sees rows [N, V]: the leading dims it cannot compare.
     if target_logits.shape[:-1] != draft_logits.shape[:-1]:
         raise ValueError(f"target_logits {tuple(target_logits.shape)} and draft_logits "
                          f"{tuple(draft_logits.shape)} must agree on all but the last dim")
-    if draft_logits.shape[-1] > target_logits.shape[-1]:
-        raise ValueError("draft_logits vocabulary must be <= the target_logits vocabulary")
-    if draft_logits.dtype != target_logits.dtype:
-        raise TypeError("draft_logits and target_logits must have the same dtype")
-    _check_device("draft_logits", draft_logits, target_logits.device)
+    _check_devices(target_logits.device, draft_logits=draft_logits)
     kind_id = _name_index("kind", kind, DIVERGENCES)
-    if not isinstance(temperature, numbers.Real) or not 0 < temperature <= _FLOAT32_MAX:
+    if not isinstance(temperature, numbers.Real):  # (the op checks the range)
         raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
-    if top_k is not None and (not isinstance(top_k, numbers.Integral) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
     lead = target_logits.shape[:-1]
     out = _ops().divergence(target_logits.reshape(-1, target_logits.shape[-1]),
                             draft_logits.reshape(-1, draft_logits.shape[-1]), kind_id,
-                            float(temperature), int(top_k or 0))
+                            float(temperature), _top_k_arg("top_k", top_k))
     return out.reshape(lead)
 
 
@@ -297,18 +259,17 @@ def sample(logits: torch.Tensor, temperature: RowArg = 1.0, top_k: Optional[int]
     Example:
         >>> fsd_ext.sample(torch.randn(2, 32000), temperature=0.7, top_p=0.9, seed=0)  # [2]
     """
-    if not isinstance(logits, torch.Tensor) or not 1 <= logits.dim() <= 3:
-        raise ValueError("logits must be a tensor [V], [B, V] or [B, S, V]")
-    _check_logits("logits", logits, logits.dim())
+    _check_tensor("logits", logits)
+    if not 1 <= logits.dim() <= 3:
+        raise ValueError(f"logits must be a tensor [V], [B, V] or [B, S, V], got shape {tuple(logits.shape)}")
     shape = logits.shape[:-1]
     # [B, S, V] views (a reshape with -1 cannot size a batch of 0 rows)
     logits3 = logits[None, None] if logits.dim() == 1 else logits[:, None] if logits.dim() == 2 else logits
-    batch = logits3.shape[0]
-    device = logits.device
-    temperature_t, temperature_s = _row_arg("temperature", temperature, batch, device, finite=True)
+    temperature_t, temperature_s = _row_arg("temperature", temperature)
     top_k_i, top_p_f, min_p_f = _filter_args(top_k, top_p, min_p)
-    seed_t, seed_s, seed_per_row = _seed_arg(seed, generator, batch, device)
-    offset_t, offset_s = _offset_arg(offset, device)
+    seed_t, seed_s, seed_per_row = _seed_arg(seed, generator)
+    offset_t, offset_s = _offset_arg(offset)
+    _check_devices(logits.device, temperature=temperature_t, seed=seed_t, offset=offset_t)
     tokens = _ops().sample(logits3, temperature_t, temperature_s, top_k_i, top_p_f, min_p_f,
                            seed_t, seed_s, seed_per_row, offset_t, offset_s)
     return tokens.reshape(shape)
@@ -323,11 +284,10 @@ def philox_uniforms(seed: Union[int, torch.Tensor], offset: int, rows: int, posi
     purposes = {"accept": PURPOSE_ACCEPT, "sample": PURPOSE_SAMPLE, "draft": PURPOSE_DRAFT}
     if purpose not in purposes:
         raise ValueError(f"purpose must be one of {tuple(purposes)}, got {purpose!r}")
-    if rows < 0 or positions < 0:
-        raise ValueError(f"rows and positions must be >= 0, got {rows}, {positions}")
     device = torch.device(device or (seed.device if isinstance(seed, torch.Tensor) else "cpu"))
-    seed_t, seed_s, seed_per_row = _seed_arg(seed, None, rows, device)
-    offset_t, offset_s = _offset_arg(offset, device)
+    seed_t, seed_s, seed_per_row = _seed_arg(seed, None)
+    offset_t, offset_s = _offset_arg(offset)
+    _check_devices(device, seed=seed_t, offset=offset_t)
     if seed_t is None:
         seed_t = torch.tensor([seed_s], dtype=torch.int64, device=device)
     if offset_t is None:

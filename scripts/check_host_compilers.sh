@@ -3,7 +3,7 @@
 # the GPU machine image's) and 14 (Debian 13's). GCC 13.2-14.2 crash (an internal compiler error in
 # the target_clones pass) on some code that GCC 12 compiles, which once cost a GPU session its build
 # (benchmarks/results/gpu-h200-2026-11-30) and would fail `pip install` on those systems; the
-# workaround is in csrc/fsd/cpu/row_ops.h (Dist::log_prob_float), and this check keeps it honest.
+# workaround is in csrc/fsd/numerics.h (Dist::log_prob_float), and this check keeps it honest.
 # Per GCC release: the CPU kernels, test_core, test_quant_gemm and test_skinny_gemm with setup.py's cxx_flags, both run; then
 # every CUDA kernel through nvcc with GCC 13 as the host compiler (PTX for sm_90 only, no ptxas:
 # the host code is what GCC compiles, and it does not depend on the architecture).

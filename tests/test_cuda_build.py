@@ -58,8 +58,8 @@ def test_launch_header_compiles_with_host_compiler(tmp_path):
         pytest.skip("no CUDA runtime headers or no host compiler")
     source = tmp_path / "use_launch.cpp"
     source.write_text('#include "fsd/cuda/launch.h"\n'
-                      "cudaError_t (*f)(const fsd::AcceptProblem&, void*, size_t, cudaStream_t) = "
-                      "fsd::cuda::launch_accept;\nint main() { return f == nullptr; }\n")
+                      "cudaError_t (*f)(const fsd::AcceptProblem&, const fsd::cuda::LaunchOptions&, void*, size_t, "
+                      "cudaStream_t) = fsd::cuda::launch_accept;\nint main() { return f == nullptr; }\n")
     subprocess.run([cxx, "-std=c++17", "-fsyntax-only", f"-I{ROOT / 'csrc'}", f"-I{include}", str(source)],
                    check=True)
 

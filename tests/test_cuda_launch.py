@@ -1,15 +1,14 @@
-"""The CUDA launch paths of fsd_ext's kernels and the environment switches that choose them.
+"""The CUDA launch paths of fsd_ext's kernels and the launch options that choose them (the one
+experiment switch FSD_EXT_CUDA_LAUNCH, docs/cuda.md).
 
 Needs a GPU and the extension built with CUDA; without a GPU every test is skipped.
 Run: pytest -m cuda tests/test_cuda_launch.py
 
 - the split-vocabulary path (a row's vocabulary over many blocks) against the reference, and the
-  paths FSD_EXT_CUDA_SPLITS forces, for accept and sample; what the launcher logs
-  (FSD_EXT_CUDA_LOG=1);
+  paths the option splits=n forces, for accept and sample; what the launcher logs (log=1);
 - the checks the opt-in paths rerun: sd's emitted distribution, CUDA graph capture and replay;
-- the opt-in paths (sm_90+): staged (FSD_EXT_CUDA_STAGED=1), the unstaged cluster path
-  (FSD_EXT_CUDA_CLUSTER=1), programmatic dependent launch (FSD_EXT_CUDA_PDL=1), and the split
-  path's reversed second pass (FSD_EXT_CUDA_REVERSE_DECIDE=1).
+- the opt-in paths (sm_90+): the cluster path (cluster=1), programmatic dependent launch (pdl=1),
+  and the split path's reversed second pass (reverse=1).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # ----------------------------------------------------------------------------------------------
 # The split-vocabulary path (a row's vocabulary over many blocks): its parity with the reference,
-# the paths FSD_EXT_CUDA_SPLITS forces, and what the launcher logs (FSD_EXT_CUDA_LOG=1).
+# the paths the launch option splits=n forces, and what the launcher logs (log=1).
 
 
 @pytest.mark.parametrize("vocab", [151936, 152064, 262144])
@@ -53,8 +52,8 @@ def test_accept_big_vocab_split_path(fops, vocab):
 
 @pytest.mark.parametrize("rule", ["sd", "fsd_strict"])
 def test_accept_bonus_draws_at_a_large_vocabulary_follow_the_float_weights(fops, capfd, rule):
-    """K = 0 rows (only the bonus token, from p) of 151936 N(0, 1) logits on the split path
-    (gpu_check.sh reruns it staged): every id has weight, so a draw moves when the kernel's sums
+    """K = 0 rows (only the bonus token, from p) of 151936 N(0, 1) logits on the split path:
+    every id has weight, so a draw moves when the kernel's sums
     are off by 1/V of a weight anywhere. The chunk totals and the scan add the float weights in
     double, so the draws are those of the exact sum of the float32 weights
     (helpers.float_weight_draws; the kernel and torch.exp both use CUDA's expf), up to 2 rows for
@@ -64,7 +63,7 @@ def test_accept_bonus_draws_at_a_large_vocabulary_follow_the_float_weights(fops,
     target = torch.randn(rows, 1, vocab, generator=torch.Generator().manual_seed(41))
     draft, tokens = torch.zeros(rows, 0, vocab), torch.zeros(rows, 0, dtype=torch.int64)
     kw = dict(rule=rule, divergence="js", threshold=0.1, temperature=1.0, seed=seed, offset=2)
-    assert accept_path(fops, capfd, target.cuda(), draft.cuda(), tokens.cuda(), **kw) in ("split", "staged")
+    assert accept_path(fops, capfd, target.cuda(), draft.cuda(), tokens.cuda(), **kw) == "split"
     cuda = run_accept(fops, "cuda", target, draft, tokens, **kw)
     want = float_weight_draws(target[:, 0].cuda(), seed, offset=2)
     assert int((cuda.tokens[:, 0] != want).sum()) <= 2
@@ -94,10 +93,9 @@ def test_split_vocab_path_matches_reference(fops, rule, dtype):
 
 @pytest.mark.parametrize("splits,path", [(1, "fused"), (3, "split"), (64, "split")])
 def test_requested_splits_agree_with_reference(fops, monkeypatch, capfd, splits, path):
-    # FSD_EXT_CUDA_SPLITS (benchmarks) overrides the planner: a fused launch for few rows, or many
-    # chunks for many rows (64 requested: as many 4096-id chunks as the vocabulary holds, 13).
-    monkeypatch.setenv("FSD_EXT_CUDA_STAGED", "0")
-    monkeypatch.setenv("FSD_EXT_CUDA_SPLITS", str(splits))
+    # The launch option splits (benchmarks) overrides the planner: a fused launch for few rows, or
+    # many chunks for many rows (64 requested: as many 4096-id chunks as the vocabulary holds, 13).
+    monkeypatch.setenv("FSD_EXT_CUDA_LAUNCH", f"splits={splits}")
     target, draft, tokens, nd = make_case(24, 4, 50001, 49999, dtype=torch.bfloat16, seed=17, num_draft=True)
     assert accept_path(fops, capfd, target.cuda(), draft.cuda(), tokens.cuda(), rule="fsd", seed=1) == path
     for rule in RULES:
@@ -122,8 +120,7 @@ def test_fsd_coin_accepted_positions_skip_pass_two(fops, monkeypatch, capfd, spl
     # fsd without return_divergence: a position whose coin accepts (u q(d) <= p(d)) is accepted
     # whatever D is, so the kernel skips its pass 2 and leaves D NaN; every other used position's D
     # is computed. The tokens equal the reference's, and asking for the divergences computes all.
-    monkeypatch.setenv("FSD_EXT_CUDA_STAGED", "0")
-    monkeypatch.setenv("FSD_EXT_CUDA_SPLITS", str(splits))
+    monkeypatch.setenv("FSD_EXT_CUDA_LAUNCH", f"splits={splits}")
     batch, k, vocab, tau, seed = 48, 4, 20001, 0.9, 13
     target, draft, tokens, nd = make_case(batch, k, vocab, 19999, dtype=torch.bfloat16, seed=23, num_draft=True)
     args = (target.cuda(), draft.cuda(), tokens.cuda(), nd.cuda())
@@ -161,16 +158,20 @@ def live_id_rows(rows, vocab, live=24, seed=0):
 
 
 def logged_call(capfd, op: str, call):
-    """(call()'s result, the one line the CUDA launcher of fsd_ext.<op> logs for it with
-    FSD_EXT_CUDA_LOG=1: the path it took, its chunks)."""
-    os.environ["FSD_EXT_CUDA_LOG"] = "1"
+    """(call()'s result, the one line the CUDA launcher of fsd_ext.<op> logs for it with the launch
+    option log=1 added to FSD_EXT_CUDA_LAUNCH: the path it took, its chunks)."""
+    options = os.environ.get("FSD_EXT_CUDA_LAUNCH")
+    os.environ["FSD_EXT_CUDA_LAUNCH"] = f"{options},log=1" if options else "log=1"
     try:
         capfd.readouterr()
         result = call()
         torch.cuda.synchronize()
         err = capfd.readouterr().err
     finally:
-        del os.environ["FSD_EXT_CUDA_LOG"]
+        if options is None:
+            del os.environ["FSD_EXT_CUDA_LAUNCH"]
+        else:
+            os.environ["FSD_EXT_CUDA_LAUNCH"] = options
     lines = [line for line in err.splitlines() if f"fsd_ext.{op} cuda:" in line]
     assert len(lines) == 1, err
     return result, lines[0]
@@ -186,7 +187,7 @@ def sample_path(fops, capfd, logits, **kwargs):
 def test_sample_split_path_matches_cpu(fops, capfd, monkeypatch, dtype):
     """Few rows without a filter (or with min-p alone) take the split path (a row's chunks on many
     SMs, then the draw); on well-separated rows it gives the CPU kernel's tokens on every row, as
-    the one-block path (forced with FSD_EXT_CUDA_SPLITS=1) does. Temperature 0 rows give the argmax."""
+    the one-block path (forced with FSD_EXT_CUDA_LAUNCH=splits=1) does. Temperature 0 rows give the argmax."""
     logits = live_id_rows(2 * 3, 151936, seed=21).reshape(2, 3, 151936).to(dtype)
     temperature = torch.tensor([0.8, 0.0])
     want = fops.sample(logits, temperature=temperature, seed=5, offset=1)
@@ -195,10 +196,10 @@ def test_sample_split_path_matches_cpu(fops, capfd, monkeypatch, dtype):
     assert torch.equal(got[1], logits[1].float().argmax(-1))
     assert not torch.equal(fops.sample(logits.cuda(), temperature=temperature.cuda(), seed=6, offset=1).cpu()[0],
                            want[0])  # another seed draws other tokens: the comparison can fail
-    monkeypatch.setenv("FSD_EXT_CUDA_SPLITS", "1")
+    monkeypatch.setenv("FSD_EXT_CUDA_LAUNCH", "splits=1")
     got, path = sample_path(fops, capfd, logits.cuda(), temperature=temperature.cuda(), seed=5, offset=1)
     assert path == "rows" and torch.equal(got, want)
-    monkeypatch.delenv("FSD_EXT_CUDA_SPLITS")
+    monkeypatch.delenv("FSD_EXT_CUDA_LAUNCH")
     _, path = sample_path(fops, capfd, logits.cuda(), temperature=0.8, top_p=0.9, seed=5)
     assert path == "rows"  # a top-p (or top-k) cutoff needs the whole row in one block
     # min-p needs only the row's maximum: the split path, and the CPU kernel's tokens (which the
@@ -212,7 +213,7 @@ def test_sample_split_path_matches_cpu(fops, capfd, monkeypatch, dtype):
 def test_sample_split_path_distribution(fops, monkeypatch):
     """The split path's tokens follow softmax(logits / T) (chi-square over 2e5 rows whose 24 live
     ids lie in all four chunks), and the same test rejects a distribution with two ids swapped."""
-    monkeypatch.setenv("FSD_EXT_CUDA_SPLITS", "4")
+    monkeypatch.setenv("FSD_EXT_CUDA_LAUNCH", "splits=4")
     rows, vocab, live = 200_000, 16384, 24
     ids = torch.arange(live) * (vocab // live) + 7  # spread over the four 4096-id chunks
     values = torch.randn(live, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
@@ -289,20 +290,24 @@ def check_graph_replay(fops, batch, vocab):
 
 
 # ----------------------------------------------------------------------------------------------
-# The staged path (FSD_EXT_CUDA_STAGED=1, sm_90+): thread-block clusters holding each position's
-# vocabulary chunks in shared memory, so the logits are read once. gpu_check.sh also reruns the
-# tests of unfiltered accept calls with the flag set.
+# The launch options (FSD_EXT_CUDA_LAUNCH, docs/cuda.md): the launcher's log, the opt-in paths.
+# (The staged cluster path is gone: slower than the split path on the H200.)
 
-@pytest.fixture
-def staged(monkeypatch):
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the staged path needs thread-block clusters (sm_90+)")
-    monkeypatch.setenv("FSD_EXT_CUDA_STAGED", "1")
-    return monkeypatch
+@pytest.mark.parametrize("text,message", [
+    ("splits=x", "splits wants a non-negative integer"), ("pdl=2", "pdl wants 0 or 1"),
+    ("staged=1", "unknown option 'staged'"), ("cluster", "cluster wants 0 or 1"),
+])
+def test_launch_switch_rejects_bad_values(fops, monkeypatch, text, message):
+    target, draft, tokens, _ = make_case(2, 3, 1000, seed=2)
+    monkeypatch.setenv("FSD_EXT_CUDA_LAUNCH", text)
+    with pytest.raises(RuntimeError, match=f"FSD_EXT_CUDA_LAUNCH='{text}': {message}"):
+        fops.accept(target.cuda(), draft.cuda(), tokens.cuda(), seed=1)
+    with pytest.raises(RuntimeError, match="FSD_EXT_CUDA_LAUNCH"):
+        fops.sample(target[:, 0].cuda(), seed=1)
 
 
 def launch_log(fops, capfd, *args, **kwargs):
-    """The CUDA launcher's log line (FSD_EXT_CUDA_LOG=1) of one accept call."""
+    """The CUDA launcher's log line (launch option log=1) of one accept call."""
     return logged_call(capfd, "accept", lambda: fops.accept(*args, **kwargs))[1]
 
 
@@ -311,27 +316,18 @@ def accept_path(fops, capfd, *args, **kwargs):
     return launch_log(fops, capfd, *args, **kwargs).split("path=")[1].split()[0]
 
 
-@pytest.mark.parametrize("dtype,vocab,batch,path", [
-    (torch.bfloat16, 151936, 1, "staged"), (torch.bfloat16, 128256, 64, "staged"),
-    (torch.float32, 32001, 8, "staged"), (torch.float16, 1000, 3, "staged"),
-    (torch.float32, 262144, 2, "split"),  # 2 MB of logits per position: 16 blocks cannot hold them
-])
-def test_staged_path_is_taken(fops, staged, capfd, dtype, vocab, batch, path):
-    check_opt_in_path(fops, staged, capfd, "FSD_EXT_CUDA_STAGED", "staged", dtype, vocab, batch, path)
-
-
 def check_opt_in_path(fops, monkeypatch, capfd, switch, opt_in_path, dtype, vocab, batch, path):
-    """With `switch` set, a call of this shape takes `path`; never `opt_in_path` with a filter (it
-    needs whole-row selections) or with the switch off."""
+    """With the launch option `switch` on, a call of this shape takes `path`; never `opt_in_path`
+    with a filter (it needs whole-row selections) or with the option off."""
     target, draft, tokens, _ = make_case(batch, 5, vocab, dtype=dtype, seed=30)
     target, draft, tokens = target.cuda(), draft.cuda(), tokens.cuda()
     assert accept_path(fops, capfd, target, draft, tokens, rule="fsd", seed=1) == path
     assert accept_path(fops, capfd, target, draft, tokens, rule="fsd", seed=1, top_p=0.9) != opt_in_path
-    monkeypatch.setenv(switch, "0")
+    monkeypatch.setenv("FSD_EXT_CUDA_LAUNCH", f"{switch}=0")
     assert accept_path(fops, capfd, target, draft, tokens, rule="fsd", seed=1) != opt_in_path
 
 
-# Cases of the cluster paths: clusters of 8 (as at B=64), of up to 16 (B=1), ragged K with V_d < V_t
+# Cases of the cluster path: clusters of 8 (as at B=64), of up to 16 (B=1), ragged K with V_d < V_t
 # and a NaN row, a small vocabulary (clusters of 2).
 CLUSTER_CASES = {
     "b16_v128256_bf16": (16, 128256, 128256, torch.bfloat16),
@@ -363,38 +359,23 @@ def check_cluster_case(fops, rule, case):
         assert agreement(cuda, ref) >= (0.97 if batch >= 40 else 1.0)
 
 
-@pytest.mark.parametrize("rule", RULES)
-@pytest.mark.parametrize("case", list(CLUSTER_CASES))
-def test_staged_path_agrees_with_reference(fops, staged, rule, case):
-    check_cluster_case(fops, rule, case)
-
-
-@pytest.mark.parametrize("rule", ["sd", "fsd"])
-def test_staged_sd_emits_target_distribution(fops, staged, rule):
-    test_sd_emits_target_distribution(fops, rule)
-
-
-def test_staged_graph_capture_and_replay(fops, staged):
-    test_graph_capture_and_replay_fresh_randomness(fops)
-
-
 # ----------------------------------------------------------------------------------------------
-# The unstaged cluster path (FSD_EXT_CUDA_CLUSTER=1, sm_90+): the split path's chunks in one launch
+# The cluster path (FSD_EXT_CUDA_LAUNCH=cluster=1, sm_90+): the split path's chunks in one launch
 # of thread-block clusters, a cluster barrier between the phases instead of a second launch, pass 2
 # re-reading its chunk from L2.
 
 def sm90_switch(monkeypatch, switch, what):
-    """Sets the opt-in launcher `switch` (staged path off) on sm_90+; skips `what` elsewhere."""
+    """Turns the opt-in launch option `switch` on (FSD_EXT_CUDA_LAUNCH) on sm_90+; skips `what`
+    elsewhere."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip(f"{what} needs sm_90+")
-    monkeypatch.setenv("FSD_EXT_CUDA_STAGED", "0")
-    monkeypatch.setenv(switch, "1")
+    monkeypatch.setenv("FSD_EXT_CUDA_LAUNCH", f"{switch}=1")
     return monkeypatch
 
 
 @pytest.fixture
 def clustered(monkeypatch):
-    return sm90_switch(monkeypatch, "FSD_EXT_CUDA_CLUSTER", "the cluster path (thread-block clusters)")
+    return sm90_switch(monkeypatch, "cluster", "the cluster path (thread-block clusters)")
 
 
 @pytest.mark.parametrize("dtype,vocab,batch,path", [
@@ -402,7 +383,7 @@ def clustered(monkeypatch):
     (torch.float32, 32001, 8, "cluster"), (torch.float16, 1000, 3, "fused"),  # one chunk: nothing to cluster
 ])
 def test_cluster_path_is_taken(fops, clustered, capfd, dtype, vocab, batch, path):
-    check_opt_in_path(fops, clustered, capfd, "FSD_EXT_CUDA_CLUSTER", "cluster", dtype, vocab, batch, path)
+    check_opt_in_path(fops, clustered, capfd, "cluster", "cluster", dtype, vocab, batch, path)
 
 
 @pytest.mark.parametrize("rule", RULES)
@@ -422,13 +403,13 @@ def test_cluster_graph_capture_and_replay(fops, clustered):
 
 
 # ----------------------------------------------------------------------------------------------
-# Programmatic dependent launch (FSD_EXT_CUDA_PDL=1, sm_90+): the split path's second kernel is
+# Programmatic dependent launch (FSD_EXT_CUDA_LAUNCH=pdl=1, sm_90+): the split path's second kernel is
 # launched while the first still runs and waits for it on the GPU. It changes when blocks start,
 # never what they compute: the same tokens as the reference, in and out of a CUDA graph.
 
 def split_and_fused_launch_logs(fops, capfd):
     """The launcher's log lines of a call that takes the split path (B=2, K=5, V=151936) and of one
-    with a single chunk per position (one fused launch), for the split path's switches."""
+    with a single chunk per position (one fused launch), for the split path's options."""
     def log(case):
         target, draft, tokens, _ = case
         return launch_log(fops, capfd, target.cuda(), draft.cuda(), tokens.cuda(), seed=1)
@@ -437,13 +418,13 @@ def split_and_fused_launch_logs(fops, capfd):
 
 @pytest.fixture
 def pdl(monkeypatch):
-    return sm90_switch(monkeypatch, "FSD_EXT_CUDA_PDL", "programmatic dependent launch")
+    return sm90_switch(monkeypatch, "pdl", "programmatic dependent launch")
 
 
 def test_pdl_only_on_the_split_path(fops, pdl, capfd):
     split, fused = split_and_fused_launch_logs(fops, capfd)
     assert "path=split" in split and "pdl=1" in split and "pdl=0" in fused
-    pdl.setenv("FSD_EXT_CUDA_PDL", "0")
+    pdl.setenv("FSD_EXT_CUDA_LAUNCH", "pdl=0")
     assert "pdl=0" in split_and_fused_launch_logs(fops, capfd)[0]
 
 
@@ -455,7 +436,7 @@ def test_pdl_split_path_matches_reference(fops, pdl, rule, dtype):
 
 def test_pdl_big_vocab_and_many_chunks(fops, pdl):
     test_accept_big_vocab_split_path(fops, 151936)
-    pdl.setenv("FSD_EXT_CUDA_SPLITS", "64")  # many blocks per row: kernel 2 launches during kernel 1
+    pdl.setenv("FSD_EXT_CUDA_LAUNCH", "pdl=1,splits=64")  # many blocks per row: kernel 2 launches during kernel 1
     test_accept_big_vocab_split_path(fops, 262144)
 
 
@@ -464,14 +445,13 @@ def test_pdl_graph_capture_and_replay(fops, pdl):
 
 
 # ----------------------------------------------------------------------------------------------
-# FSD_EXT_CUDA_REVERSE_DECIDE=1: the split path's second kernel takes its (row, position, chunk)
+# FSD_EXT_CUDA_LAUNCH=reverse=1: the split path's second kernel takes its (row, position, chunk)
 # items in reverse order (for L2 hits on its re-reads). It changes which block does which item,
 # never what an item computes: the same tokens as the reference, in and out of a CUDA graph.
 
 @pytest.fixture
 def reverse_decide(monkeypatch):
-    monkeypatch.setenv("FSD_EXT_CUDA_STAGED", "0")
-    monkeypatch.setenv("FSD_EXT_CUDA_REVERSE_DECIDE", "1")
+    monkeypatch.setenv("FSD_EXT_CUDA_LAUNCH", "reverse=1")
     return monkeypatch
 
 

@@ -165,7 +165,7 @@ def _args():
     (None, dict(num_draft=torch.tensor([1])), ValueError, "num_draft"),
     (None, dict(seed=1.5), TypeError, "seed"),
     (None, dict(seed=torch.tensor([1, 2, 3])), ValueError, "seed"),
-    (None, dict(seed=torch.tensor([1.0, 2.0])), ValueError, "seed"),
+    (None, dict(seed=torch.tensor([1.0, 2.0])), TypeError, "seed"),  # a dtype: TypeError, as for the logits
     (None, dict(offset=-1), ValueError, "offset"),
 ])
 def test_bad_arguments_raise_naming_them(mutate, kwargs, error, match):

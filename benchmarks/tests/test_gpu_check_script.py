@@ -19,16 +19,16 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-# Python stand-in: logs its arguments (and the opt-in switches set) and plays each step's part.
-# FAIL_STAGED=1: the opt-in paths' pytest run fails a staged test.
+# Python stand-in: logs its arguments (and the launch options set) and plays each step's part.
+# FAIL_CLUSTER=1: the opt-in paths' pytest run fails a cluster test.
 PYTHON_STUB = r"""#!/usr/bin/env bash
-echo "python $* [STAGED=${FSD_EXT_CUDA_STAGED:-}]" >>"$STUB_LOG"
+echo "python $* [LAUNCH=${FSD_EXT_CUDA_LAUNCH:-}]" >>"$STUB_LOG"
 case "$*" in
   "-c import fsd_ext.ops as o; o._ops()") exit 1 ;;  # no prebuilt extension
   "-c import pytest_timeout") exit 1 ;;
   "-m pytest"*)
-    if [[ "${FSD_EXT_CUDA_STAGED:-}" == 1 && "${FAIL_STAGED:-}" == 1 ]]; then
-      echo "FAILED tests/test_cuda_launch.py::test_staged_path_matches_reference[bf16]"; exit 1
+    if [[ "$*" == *"pdl or cluster"* && "${FAIL_CLUSTER:-}" == 1 ]]; then
+      echo "FAILED tests/test_cuda_launch.py::test_cluster_path_agrees_with_reference[b1_v151936_bf16-fsd]"; exit 1
     fi
     echo "3 passed" ;;
   "benchmarks/bench_accept_cuda.py"*) echo "target B64 bf16 >= 80% copy BW: NOT MET" ;;
@@ -80,7 +80,7 @@ def test_gpu_check_runs_every_step_in_order(tmp_path):
     rc, summary, calls, out, output = dry_run(tmp_path)
     assert rc == 0, output
     for step in ("build: ok", "one accept call on the GPU: ok", "CUDA tests: ok",
-                 "CUDA tests, opt-in paths (staged, cluster, PDL): ok", "kernel benchmark: ok",
+                 "CUDA tests, opt-in paths (cluster, PDL): ok", "kernel benchmark: ok",
                  "step timer and phase tracer: ok", "sampling benchmark: ok",
                  "C++ compile of csrc/fsd/cpu: ok (c++ stub 1.0)", "decode benchmark skipped",
                  "ncu profile skipped", "compute-sanitizer memcheck skipped"):
@@ -91,15 +91,16 @@ def test_gpu_check_runs_every_step_in_order(tmp_path):
     def index(fragment):
         return next(i for i, c in enumerate(python_calls) if fragment in c)
 
-    # Build, tests, then the opt-in paths' tests (with the staged switch), then both benchmarks.
+    # Build, tests, then the opt-in paths' tests (their fixtures set the launch options), then both
+    # benchmarks, which time every opt-in path against the planner's.
     tests = "-m pytest -m cuda tests/test_cuda.py tests/test_cuda_launch.py tests/test_accept.py -k"
-    assert index("setup.py build_ext --inplace") < index(f"{tests} not (staged")
-    staged = python_calls[index(f"{tests} staged or")]
-    assert staged.endswith("[STAGED=1]")
+    assert index("setup.py build_ext --inplace") < index(f"{tests} not (pdl or cluster)")
+    opt_in = python_calls[index(f"{tests} pdl or cluster")]
+    assert opt_in.endswith("[LAUNCH=]") and all(c.endswith("[LAUNCH=]") for c in python_calls)
     bench = python_calls[index("benchmarks/bench_accept_cuda.py")]
-    assert "--variants SPLITS=1,SPLITS=8,SPLITS=32,PDL=1,CLUSTER=1" in bench and "--no-staged" not in bench
-    assert index("-k staged or") < index("bench_accept_cuda.py") < index("bench_sample_cuda.py")
-    # The step timer was built with nvcc (the stand-in) for sm_90, and ran with its switches.
+    assert "--variants splits=1 splits=8 splits=32 reverse=1 pdl=1 cluster=1 " in bench
+    assert index("-k pdl or cluster") < index("bench_accept_cuda.py") < index("bench_sample_cuda.py")
+    # The step timer was built with nvcc (the stand-in) for sm_90, and ran with its options.
     assert any(c.startswith("nvcc ") and "arch=compute_90" in c and "accept_trace.cu" in c for c in calls)
     assert (out / "accept_timing.md").read_text().startswith("| harness ")
     with tarfile.open(out / "gpu_check.tgz") as archive:
@@ -110,13 +111,13 @@ def test_gpu_check_runs_every_step_in_order(tmp_path):
 
 @needs_tools
 def test_gpu_check_reports_a_failed_step_and_goes_on(tmp_path):
-    """A staged test failing: the summary names it, the status is 1, the benchmark still runs, without
-    the staged path but with the PDL and cluster variants (their tests passed)."""
-    rc, summary, calls, _, output = dry_run(tmp_path, FAIL_STAGED="1")
+    """A cluster test failing: the summary names it, the status is 1, the benchmark still runs, without
+    the cluster variant but with the PDL one (its tests passed)."""
+    rc, summary, calls, _, output = dry_run(tmp_path, FAIL_CLUSTER="1")
     assert rc == 1, output
-    assert "CUDA tests, opt-in paths (staged, cluster, PDL): FAILED (rc 1)" in summary
-    assert "FAILED tests/test_cuda_launch.py::test_staged_path_matches_reference[bf16]" in summary
-    assert "the staged path failed its tests" in summary
+    assert "CUDA tests, opt-in paths (cluster, PDL): FAILED (rc 1)" in summary
+    assert "FAILED tests/test_cuda_launch.py::test_cluster_path_agrees_with_reference[b1_v151936_bf16-fsd]" in summary
+    assert "cluster=1 failed its tests" in summary
     bench = next(c for c in calls if "bench_accept_cuda.py" in c)
-    assert "--no-staged" in bench and "--variants SPLITS=1,SPLITS=8,SPLITS=32,PDL=1,CLUSTER=1" in bench
+    assert "--variants splits=1 splits=8 splits=32 reverse=1 pdl=1 [" in bench
     assert "sampling benchmark: ok" in summary and "step timer and phase tracer: ok" in summary

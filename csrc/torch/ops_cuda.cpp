@@ -8,10 +8,16 @@
 // of per-row threshold / temperature / div_temperature tensors out of range cannot raise without a
 // host sync; the kernel marks such a row invalid (valid=False, tokens -1; sample: token -1).
 //
+// Launch options: the planner's defaults, or what FSD_EXT_CUDA_LAUNCH asks for (experiments and
+// benchmarks; docs/cuda.md, "Launch options"), read on every call so a test can change it.
+//
 // Compiled only into CUDA builds (setup.py drops *_cuda.cpp otherwise).
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
+
+#include <cstdlib>
+#include <string>
 
 #include "fsd/cuda/launch.h"
 #include "torch/problem.h"
@@ -25,6 +31,16 @@ void check_launch(cudaError_t error, const char* op) {
 
 void check_cuda(const Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda(), name, " must be a CUDA tensor here, got ", t.device());
+}
+
+// The one switch of the CUDA launchers, e.g. FSD_EXT_CUDA_LAUNCH="splits=8,pdl=1,log=1".
+fsd::cuda::LaunchOptions launch_options() {
+  fsd::cuda::LaunchOptions options;
+  const char* text = std::getenv("FSD_EXT_CUDA_LAUNCH");
+  if (text == nullptr) return options;
+  const std::string error = fsd::cuda::parse_launch_options(text, options);
+  TORCH_CHECK(error.empty(), "FSD_EXT_CUDA_LAUNCH='", text, "': ", error);
+  return options;
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> accept_cuda(
@@ -43,9 +59,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> accept_cuda(
                         divergence, top_k, top_p, min_p, div_top_k, return_divergence};
   const fsd::AcceptProblem problem = make_accept_problem(args, out);
   TORCH_CHECK(problem.max_draft < (int64_t(1) << 24), "K must be < 2^24, got ", problem.max_draft);
-  const size_t bytes = fsd::cuda::accept_workspace_bytes(problem);
+  const fsd::cuda::LaunchOptions options = launch_options();
+  const size_t bytes = fsd::cuda::accept_workspace_bytes(problem, options);
   const Tensor workspace = at::empty({(int64_t)bytes}, target_logits.options().dtype(at::kByte));
-  check_launch(fsd::cuda::launch_accept(problem, workspace.data_ptr(), bytes,
+  check_launch(fsd::cuda::launch_accept(problem, options, workspace.data_ptr(), bytes,
                                         c10::cuda::getCurrentCUDAStream().stream()),
                "accept");
   return {out.tokens, out.num_accepted, out.valid, out.divergence};
@@ -74,10 +91,11 @@ Tensor sample_cuda(const Tensor& logits, const OptTensor& temperature_t, double 
                                                          offset, out);
   TORCH_CHECK(problem.batch <= 65535, "sample: batch must be <= 65535 on CUDA, got ", problem.batch);
   TORCH_CHECK(problem.positions < (int64_t(1) << 31), "sample: too many positions");
-  const size_t bytes = fsd::cuda::sample_workspace_bytes(problem);  // 0 on the one-block path
+  const fsd::cuda::LaunchOptions options = launch_options();
+  const size_t bytes = fsd::cuda::sample_workspace_bytes(problem, options);  // 0 on the one-block path
   Tensor workspace;
   if (bytes > 0) workspace = at::empty({(int64_t)bytes}, logits.options().dtype(at::kByte));
-  check_launch(fsd::cuda::launch_sample(problem, bytes ? workspace.data_ptr() : nullptr, bytes,
+  check_launch(fsd::cuda::launch_sample(problem, options, bytes ? workspace.data_ptr() : nullptr, bytes,
                                         c10::cuda::getCurrentCUDAStream().stream()),
                "sample");
   return out;

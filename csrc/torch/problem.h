@@ -1,7 +1,10 @@
 // Turns the op arguments (tensors) into the framework-free problem structs of csrc/fsd/common.h,
 // checking every shape, dtype, device and range on the way, and allocating the outputs. Shared by
 // the CPU (ops.cpp) and CUDA (ops_cuda.cpp) implementations so both reject the same inputs with the
-// same messages.
+// same messages. The one place that checks the ops' arguments: fsd_ext/ops.py keeps only what the
+// op cannot see (Python types, None for "off", the [V] / [B, V] / [..., V] reshapes). A message
+// names the argument and what was expected; a wrong shape or value raises ValueError in Python
+// (TORCH_CHECK_VALUE), a wrong dtype TypeError (TORCH_CHECK_TYPE).
 #pragma once
 
 #include <torch/library.h>
@@ -29,18 +32,18 @@ inline fsd::DType logits_dtype(const Tensor& t, const char* name) {
 }
 
 inline void check_same_device(const Tensor& t, const Tensor& like, const char* name) {
-  TORCH_CHECK(t.device() == like.device(), name, " is on ", t.device(), ", expected ", like.device(),
-              " like the logits");
+  TORCH_CHECK_VALUE(t.device() == like.device(), name, " is on ", t.device(), ", expected ", like.device(),
+                    " like the logits");
 }
 
 inline void check_logits(const Tensor& t, int64_t ndim, const char* name) {
-  TORCH_CHECK(t.dim() == ndim, name, " must have ", ndim, " dims, got ", t.sizes());
+  TORCH_CHECK_VALUE(t.dim() == ndim, name, " must have ", ndim, " dims, got shape ", t.sizes());
   logits_dtype(t, name);
-  TORCH_CHECK(t.size(-1) >= 1, name, " must have a vocabulary of at least 1, got ", t.sizes());
+  TORCH_CHECK_VALUE(t.size(-1) >= 1, name, " must have a vocabulary of at least 1, got shape ", t.sizes());
   // A size-1 or empty vocab dim may have any stride (torch calls such tensors contiguous).
-  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) == 1 || t.numel() == 0, name,
-              " must be contiguous along the vocabulary (last) dim");
-  TORCH_CHECK(t.size(-1) < (int64_t(1) << 31), name, " vocabulary must be < 2^31");
+  TORCH_CHECK_VALUE(t.stride(-1) == 1 || t.size(-1) == 1 || t.numel() == 0, name,
+                    " must be contiguous along the vocabulary (last) dim");
+  TORCH_CHECK_VALUE(t.size(-1) < (int64_t(1) << 31), name, " vocabulary must be < 2^31");
 }
 
 // A per-row float argument: its name, its range (the predicates of fsd/common.h) as error
@@ -51,9 +54,10 @@ struct RowArg {
   const char* range;
 };
 inline const RowArg kThresholdArg{"threshold", fsd::threshold_in_range<double>, ">= 0"};
-inline const RowArg kTemperatureArg{"temperature", fsd::temperature_in_range<double>, "finite and >= 0"};
+inline const RowArg kTemperatureArg{"temperature", fsd::temperature_in_range<double>,
+                                    "finite (at most 3.403e+38, float32) and >= 0"};
 inline const RowArg kDivTemperatureArg{"div_temperature", fsd::div_temperature_in_range<double>,
-                                       "finite and > 0"};
+                                       "finite (at most 3.403e+38, float32) and > 0"};
 
 // A float argument given either per row ([B] float32 tensor) or once for the call (checked here;
 // the values of a tensor are checked by the CPU binding, and by the CUDA kernels row by row).
@@ -63,14 +67,14 @@ inline fsd::RowValue<float> row_value(const OptTensor& per_row, double scalar, i
   fsd::RowValue<float> value;
   if (per_row.has_value()) {
     const Tensor& t = *per_row;
-    TORCH_CHECK(t.dim() == 1 && t.size(0) == batch, name, " must be a float or a [", batch,
-                "] tensor, got shape ", t.sizes());
+    TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == batch, name, " must be a float or a [", batch,
+                      "] tensor, got shape ", t.sizes());
     TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " tensor must be float32, got ", t.scalar_type());
-    TORCH_CHECK(t.is_contiguous(), name, " tensor must be contiguous");
+    TORCH_CHECK_VALUE(t.is_contiguous(), name, " tensor must be contiguous");
     check_same_device(t, like, name);
     value.per_row = t.data_ptr<float>();
   } else {
-    TORCH_CHECK(arg.in_range(scalar), name, " must be ", arg.range, " (float32), got ", scalar);
+    TORCH_CHECK_VALUE(arg.in_range(scalar), name, " must be ", arg.range, ", got ", scalar);
     value.scalar = (float)scalar;
   }
   return value;
@@ -86,30 +90,32 @@ inline fsd::RandomKey random_key(const OptTensor& seed_t, int64_t seed, bool see
   if (seed_t.has_value()) {
     const Tensor& t = *seed_t;
     TORCH_CHECK_TYPE(t.scalar_type() == at::kLong, "seed tensor must be int64, got ", t.scalar_type());
-    TORCH_CHECK(t.dim() == 1 && t.size(0) == (seed_per_row ? batch : 1), "seed tensor must be [",
-                seed_per_row ? batch : 1, "], got ", t.sizes());
-    TORCH_CHECK(t.is_contiguous(), "seed tensor must be contiguous");
+    TORCH_CHECK_VALUE(seed_per_row ? t.dim() == 1 && t.size(0) == batch : t.numel() == 1,
+                      "seed tensor must be int64 of shape [", batch, "] (per row) or [] (one for the call), got shape ",
+                      t.sizes());
+    TORCH_CHECK_VALUE(t.is_contiguous(), "seed tensor must be contiguous");
     check_same_device(t, like, "seed");
     key.seed.per_row = t.data_ptr<int64_t>();
   } else {
-    TORCH_CHECK(!seed_per_row, "seed_per_row needs a seed tensor");
+    TORCH_CHECK_VALUE(!seed_per_row, "seed_per_row needs a seed tensor");
   }
   if (offset_t.has_value()) {
     const Tensor& t = *offset_t;
     TORCH_CHECK_TYPE(t.scalar_type() == at::kLong, "offset tensor must be int64, got ", t.scalar_type());
-    TORCH_CHECK(t.numel() == 1 && t.is_contiguous(), "offset tensor must hold one element");
+    TORCH_CHECK_VALUE(t.numel() == 1 && t.is_contiguous(),
+                      "offset tensor must be a one-element int64 tensor, got shape ", t.sizes());
     check_same_device(t, like, "offset");
     key.offset.per_row = t.data_ptr<int64_t>();
   } else {
-    TORCH_CHECK(offset >= 0, "offset must be >= 0, got ", offset);
+    TORCH_CHECK_VALUE(offset >= 0, "offset must be >= 0, got ", offset);
   }
   return key;
 }
 
 inline fsd::SamplingFilter sampling_filter(int64_t top_k, double top_p, double min_p) {
-  TORCH_CHECK(top_k >= 0, "top_k must be >= 1 (or 0 for off), got ", top_k);
-  TORCH_CHECK(top_p > 0.0 && top_p <= 1.0, "top_p must be in (0, 1], got ", top_p);
-  TORCH_CHECK(min_p >= 0.0 && min_p <= 1.0, "min_p must be in [0, 1], got ", min_p);
+  TORCH_CHECK_VALUE(top_k >= 0, "top_k must be >= 1 (or 0 for off), got ", top_k);
+  TORCH_CHECK_VALUE(top_p > 0.0 && top_p <= 1.0, "top_p must be in (0, 1], got ", top_p);
+  TORCH_CHECK_VALUE(min_p >= 0.0 && min_p <= 1.0, "min_p must be in [0, 1], got ", min_p);
   fsd::SamplingFilter filter;
   filter.top_k = top_k;
   filter.top_p = (float)top_p;
@@ -144,24 +150,24 @@ inline fsd::AcceptProblem make_accept_problem(const AcceptArgs& a, AcceptOutputs
   check_logits(target, 3, "target_logits");
   check_logits(draft, 3, "draft_logits");
   const int64_t batch = target.size(0), k = target.size(1) - 1;
-  TORCH_CHECK(k >= 0, "target_logits must hold K+1 >= 1 positions, got ", target.sizes());
-  TORCH_CHECK(draft.size(0) == batch && draft.size(1) == k, "draft_logits must be [B=", batch, ", K=",
-              k, ", V_d], got ", draft.sizes());
-  TORCH_CHECK(draft.size(2) <= target.size(2), "draft_logits vocabulary V_d=", draft.size(2),
-              " must be <= target vocabulary V_t=", target.size(2));
+  TORCH_CHECK_VALUE(k >= 0, "target_logits must hold K+1 >= 1 positions, got shape ", target.sizes());
+  TORCH_CHECK_VALUE(draft.size(0) == batch && draft.size(1) == k, "draft_logits must be [B=", batch, ", K=", k,
+                    ", V_d], got shape ", draft.sizes(), " (target_logits holds K+1 positions)");
+  TORCH_CHECK_VALUE(draft.size(2) <= target.size(2), "draft_logits vocabulary V_d=", draft.size(2),
+                    " must be <= target vocabulary V_t=", target.size(2));
   TORCH_CHECK_TYPE(draft.scalar_type() == target.scalar_type(), "draft_logits dtype ", draft.scalar_type(),
                    " must match target_logits dtype ", target.scalar_type());
   check_same_device(draft, target, "draft_logits");
   const Tensor& tokens = a.draft_tokens;
   TORCH_CHECK_TYPE(tokens.scalar_type() == at::kInt || tokens.scalar_type() == at::kLong,
                    "draft_tokens must be int32 or int64, got ", tokens.scalar_type());
-  TORCH_CHECK(tokens.dim() == 2 && tokens.size(0) == batch && tokens.size(1) == k,
-              "draft_tokens must be [B=", batch, ", K=", k, "], got ", tokens.sizes());
-  TORCH_CHECK(tokens.is_contiguous(), "draft_tokens must be contiguous");
+  TORCH_CHECK_VALUE(tokens.dim() == 2 && tokens.size(0) == batch && tokens.size(1) == k,
+                    "draft_tokens must be [B=", batch, ", K=", k, "], got shape ", tokens.sizes());
+  TORCH_CHECK_VALUE(tokens.is_contiguous(), "draft_tokens must be contiguous");
   check_same_device(tokens, target, "draft_tokens");
-  TORCH_CHECK(a.rule >= 0 && a.rule <= 3, "rule id must be in [0, 3], got ", a.rule);
-  TORCH_CHECK(a.divergence >= 0 && a.divergence <= 4, "divergence id must be in [0, 4], got ", a.divergence);
-  TORCH_CHECK(a.div_top_k >= 0, "div_top_k must be >= 1 (or 0 for off), got ", a.div_top_k);
+  TORCH_CHECK_VALUE(a.rule >= 0 && a.rule <= 3, "rule id must be in [0, 3], got ", a.rule);
+  TORCH_CHECK_VALUE(a.divergence >= 0 && a.divergence <= 4, "divergence id must be in [0, 4], got ", a.divergence);
+  TORCH_CHECK_VALUE(a.div_top_k >= 0, "div_top_k must be >= 1 (or 0 for off), got ", a.div_top_k);
 
   fsd::AcceptProblem p;
   p.batch = batch;
@@ -179,9 +185,11 @@ inline fsd::AcceptProblem make_accept_problem(const AcceptArgs& a, AcceptOutputs
   p.tokens_int32 = tokens.scalar_type() == at::kInt;
   if (a.num_draft.has_value()) {
     const Tensor& nd = *a.num_draft;
-    TORCH_CHECK_TYPE(nd.scalar_type() == at::kLong, "num_draft must be int64, got ", nd.scalar_type());
-    TORCH_CHECK(nd.dim() == 1 && nd.size(0) == batch && nd.is_contiguous(), "num_draft must be [B=",
-                batch, "], got ", nd.sizes());
+    TORCH_CHECK_TYPE(nd.scalar_type() == at::kLong, "num_draft must be an int64 tensor [B] (fsd_ext.accept also "
+                     "takes int32), got ", nd.scalar_type());
+    TORCH_CHECK_VALUE(nd.dim() == 1 && nd.size(0) == batch, "num_draft must be [B=", batch, "], got shape ",
+                      nd.sizes());
+    TORCH_CHECK_VALUE(nd.is_contiguous(), "num_draft must be contiguous");
     check_same_device(nd, target, "num_draft");
     p.num_draft = nd.data_ptr<int64_t>();
   }
@@ -214,15 +222,17 @@ inline fsd::DivergenceProblem make_divergence_problem(const Tensor& target, cons
                                                       Tensor& out) {
   check_logits(target, 2, "target_logits");
   check_logits(draft, 2, "draft_logits");
-  TORCH_CHECK(target.size(0) == draft.size(0), "target_logits and draft_logits must have the same rows, got ",
-              target.sizes(), " and ", draft.sizes());
-  TORCH_CHECK(draft.size(1) <= target.size(1), "draft_logits vocabulary must be <= the target_logits vocabulary");
-  TORCH_CHECK_TYPE(draft.scalar_type() == target.scalar_type(), "draft_logits and target_logits dtypes differ");
+  TORCH_CHECK_VALUE(target.size(0) == draft.size(0), "target_logits ", target.sizes(), " and draft_logits ",
+                    draft.sizes(), " must agree on all but the last dim");
+  TORCH_CHECK_VALUE(draft.size(1) <= target.size(1), "draft_logits vocabulary V_d=", draft.size(1),
+                    " must be <= the target_logits vocabulary V_t=", target.size(1));
+  TORCH_CHECK_TYPE(draft.scalar_type() == target.scalar_type(), "draft_logits dtype ", draft.scalar_type(),
+                   " must match target_logits dtype ", target.scalar_type());
   check_same_device(draft, target, "draft_logits");
-  TORCH_CHECK(kind >= 0 && kind <= 4, "kind id must be in [0, 4], got ", kind);
-  TORCH_CHECK(fsd::div_temperature_in_range(temperature), "temperature must be finite and > 0, got ",
-              temperature);
-  TORCH_CHECK(top_k >= 0, "top_k must be >= 1 (or 0 for off), got ", top_k);
+  TORCH_CHECK_VALUE(kind >= 0 && kind <= 4, "kind id must be in [0, 4], got ", kind);
+  TORCH_CHECK_VALUE(fsd::div_temperature_in_range(temperature),
+                    "temperature must be finite (at most 3.403e+38, float32) and > 0, got ", temperature);
+  TORCH_CHECK_VALUE(top_k >= 0, "top_k must be >= 1 (or 0 for off), got ", top_k);
   fsd::DivergenceProblem p;
   p.rows = target.size(0);
   p.target_vocab = target.size(1);
@@ -264,9 +274,9 @@ inline fsd::SampleProblem make_sample_problem(const Tensor& logits, const OptTen
 
 inline void check_uniform_args(const Tensor& seed, const Tensor& offset, bool seed_per_row, int64_t rows,
                                int64_t positions, int64_t purpose) {
-  TORCH_CHECK(rows >= 0 && positions >= 0, "rows and positions must be >= 0");
-  TORCH_CHECK(purpose >= 1 && purpose <= 3, "purpose id must be in [1, 3], got ", purpose);
-  TORCH_CHECK(positions <= (1 << 24), "positions must be <= 2^24");
+  TORCH_CHECK_VALUE(rows >= 0 && positions >= 0, "rows and positions must be >= 0, got ", rows, ", ", positions);
+  TORCH_CHECK_VALUE(purpose >= 1 && purpose <= 3, "purpose id must be in [1, 3], got ", purpose);
+  TORCH_CHECK_VALUE(positions <= (1 << 24), "positions must be <= 2^24, got ", positions);
   (void)seed; (void)offset; (void)seed_per_row;
 }
 

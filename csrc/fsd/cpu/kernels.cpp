@@ -45,7 +45,7 @@ struct RowStats {
   bool bad = true;     // NaN or no finite logit (or not computed: unused position)
   float max = 0.0f;
   int64_t argmax = 0;   // lowest id of the maximum
-  Dist sample;          // the sampling distribution p_i / q_i
+  Dist sample = softmax_dist(0.0f, 1.0f, -kInf, 1.0);  // the sampling distribution p_i / q_i
   bool has_sample = false;  // `sample` was computed (the greedy rule skips it)
 };
 
@@ -73,10 +73,8 @@ template <typename T>
 Dist divergence_dist(const T* row, int64_t n, const RowStats& stats, bool uses_sampling, float div_tau,
                      float* exps) {
   if (uses_sampling) return stats.sample;
-  Dist d;
-  d.max = stats.max;
-  d.inv_tau = inverse_temperature(div_tau);
-  if (stats.has_sample && stats.sample.plain() && stats.sample.inv_tau == d.inv_tau) return stats.sample;
+  Dist d = softmax_dist(stats.max, inverse_temperature(div_tau), -kInf, 1.0);
+  if (stats.has_sample && stats.sample.plain() && stats.sample.inv == d.inv) return stats.sample;
   d.sum = sum_exp(row, n, d, exps);
   d.log_sum = (float)std::log(d.sum);
   return d;
@@ -150,8 +148,10 @@ struct AcceptKernel {
     const RowStats& t = target_stats[b * (pb.max_draft + 1) + i];
     const RowStats& d = draft_stats[b * pb.max_draft + i];
     const bool greedy_rule = pb.rule == Rule::Greedy;
-    const double p_token = greedy_rule ? 0.0 : std::exp(t.sample.log_prob(load_logit(target_row(b, i), token), token));
-    const double q_token = greedy_rule ? 0.0 : std::exp(d.sample.log_prob(load_logit(draft_row(b, i), token), token));
+    const double p_token =
+        greedy_rule ? 0.0 : std::exp(t.sample.log_prob_precise(load_logit(target_row(b, i), token), token));
+    const double q_token =
+        greedy_rule ? 0.0 : std::exp(d.sample.log_prob_precise(load_logit(draft_row(b, i), token), token));
     return Coin{p_token, q_token, draw_uniform(pb.key, b, i, Purpose::Accept)};
   }
   bool coin_accepts(int64_t b, int64_t i, int64_t token) const {

@@ -1,7 +1,8 @@
-// Building blocks of the CPU kernels that the compiler can vectorise: dtype loads and branch-free
-// exp/log. The row loops in row_ops.h process kLanes elements at a time with fixed-size lane
-// arrays, which GCC and Clang turn into SIMD code (SSE2, or AVX/AVX2/AVX-512 clones, see
-// FSD_CPU_CLONES) without intrinsics, so the same source builds anywhere.
+// Building blocks of the CPU kernels that the compiler can vectorise: logit loads and branch-free
+// exp/log (the dtypes and their conversions: fsd/numerics.h, shared with CUDA). The row loops in
+// row_ops.h process kLanes elements at a time with fixed-size lane arrays, which GCC and Clang
+// turn into SIMD code (SSE2, or AVX/AVX2/AVX-512 clones, see FSD_CPU_CLONES) without intrinsics,
+// so the same source builds anywhere.
 #pragma once
 
 #include <cfloat>
@@ -10,10 +11,12 @@
 #include <cstring>
 #include <limits>
 
+#include "fsd/numerics.h"
+
 // The hot row loops are compiled once per x86 SIMD level and picked at load time (GCC/Clang
 // function multi-versioning), so a build runs AVX-512 / AVX2 / AVX code where the CPU has it and
 // SSE2 elsewhere. FSD_NO_CLONES (set by sanitizer builds) turns this off. GCC 13.2-14.2 crash on
-// some lambdas handed to these templates: see Dist::log_prob_float in row_ops.h.
+// some lambdas handed to these templates: see Dist::log_prob_float in fsd/numerics.h.
 #if defined(__x86_64__) && defined(__GNUC__) && defined(__linux__) && !defined(FSD_NO_CLONES)
 #define FSD_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "avx", "default")))
 #else
@@ -41,42 +44,23 @@ namespace fsd {
 namespace cpu {
 
 constexpr int kLanes = 16;
-constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// Storage types of the logits; converted to float on load.
-struct BFloat16 { uint16_t bits; };
-struct Float16 { uint16_t bits; };
+// The shared numerics (fsd/numerics.h) under the names the CPU code uses.
+using fsd::BFloat16;
+using fsd::bits_to_float;
+using fsd::clamp_logit;
+using fsd::Dist;
+using fsd::Float16;
+using fsd::float_to_bits;
+using fsd::kInf;
+using fsd::one_hot_dist;
+using fsd::softmax_dist;
+using fsd::to_float;
 
-FSD_ALWAYS_INLINE float bits_to_float(uint32_t bits) {
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
-
-FSD_ALWAYS_INLINE uint32_t float_to_bits(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  return bits;
-}
-
-FSD_ALWAYS_INLINE float to_float(float x) { return x; }
-FSD_ALWAYS_INLINE float to_float(BFloat16 x) { return bits_to_float((uint32_t)x.bits << 16); }
-FSD_ALWAYS_INLINE float to_float(Float16 x) {
-  // Shift the half's exponent and mantissa into float position, then rescale the exponent bias
-  // (15 -> 127) with one multiply; this also turns half subnormals into the right floats.
-  const uint32_t magnitude = x.bits & 0x7FFFu;
-  float value = bits_to_float(magnitude << 13) * 0x1p112f;
-  const float special = bits_to_float((magnitude << 13) | 0x7F800000u);  // inf / NaN
-  value = magnitude >= 0x7C00u ? special : value;
-  return bits_to_float(float_to_bits(value) | ((uint32_t)(x.bits & 0x8000u) << 16));
-}
-
-// A logit as the kernels see it: +inf counts as the largest finite float (DESIGN: the limit of a
-// huge logit), so softmax stays defined; NaN stays NaN (it only reaches rows already invalid).
+// A logit as the kernels see it (clamp_logit: +inf counts as FLT_MAX).
 template <typename T>
 FSD_ALWAYS_INLINE float load_logit(const T* row, int64_t j) {
-  const float x = to_float(row[j]);
-  return x < FLT_MAX ? x : (x == kInf ? FLT_MAX : x);
+  return clamp_logit(to_float(row[j]));
 }
 
 // exp(x) for x <= 0 (all the kernels need), within 2 ulp of std::exp; exactly 0 below -87 and for

@@ -1,9 +1,8 @@
-// Host planner of fsd_ext.accept on CUDA: picks the path (fused, split, the opt-in cluster paths),
-// the vocabulary chunks and the workspace layout, then hands over to the per-dtype launcher
+// Host planner of fsd_ext.accept on CUDA: picks the path (fused, split, the opt-in cluster path),
+// the vocabulary chunks and the workspace layout from the problem and the caller's LaunchOptions, then hands over to the per-dtype launcher
 // (accept_typed.cuh; the kernels are in accept.cuh).
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 
 #include "fsd/cuda/accept.cuh"  // workspace records (no kernel is instantiated here)
 #include "fsd/cuda/accept_plan.h"
@@ -20,11 +19,6 @@ namespace {
 // over up to V ids on one block, and 6 rows of blocks per batch row leave the last wave half empty.
 constexpr int64_t kBatchChunk = 16384;
 
-// Dynamic shared memory of one staged block: its chunk of the target row and of the draft row.
-size_t stage_bytes(DType dtype, int64_t chunk) {
-  return 2 * stage_region_bytes(chunk, dtype == DType::Float32 ? 4 : 2);
-}
-
 // f(T{}) for the logits type T of `dtype` (the per-dtype launchers are templates); `otherwise` for
 // a dtype no launcher has.
 template <typename R, typename F>
@@ -37,48 +31,31 @@ R with_logits_type(DType dtype, R otherwise, F&& f) {
   return otherwise;
 }
 
-// Whether the environment switch `name` is "1" (read on every call, so a test or benchmark can flip
-// it).
-bool switch_on(const char* name) {
-  const char* flag = std::getenv(name);
-  return flag != nullptr && flag[0] == '1' && flag[1] == '\0';
-}
+// The opt-in paths need sm_90+: thread-block clusters, and a decision kernel that waits for the
+// statistics grid (decide_kernel_waits) before a dependent launch may start it early.
+bool cluster_path_allowed() { return compute_capability_major() >= 9; }
 
-// The cluster paths are opt-in (FSD_EXT_CUDA_STAGED=1: staged; FSD_EXT_CUDA_CLUSTER=1: unstaged)
-// and need thread-block clusters (sm_90+). The staged path was not faster on the H200; the
-// unstaged one has not run on a GPU yet.
-bool staged_path_requested() { return switch_on("FSD_EXT_CUDA_STAGED") && compute_capability_major() >= 9; }
-bool cluster_path_requested() { return switch_on("FSD_EXT_CUDA_CLUSTER") && compute_capability_major() >= 9; }
-
-// FSD_EXT_CUDA_PDL=1 (read on every call): the split path launches its second kernel by
-// programmatic dependent launch (sm_90+; accept.cuh). Opt-in until a GPU run has measured it.
-bool dependent_launch_requested(DType dtype) {
-  if (!switch_on("FSD_EXT_CUDA_PDL") || compute_capability_major() < 9) return false;
+bool dependent_launch_allowed(DType dtype) {
+  if (compute_capability_major() < 9) return false;
   return with_logits_type(dtype, false, [](auto t) { return decide_kernel_waits<decltype(t)>(); });
 }
 
-// FSD_EXT_CUDA_REVERSE_DECIDE=1 (read on every call): the split path's second kernel takes the
-// (row, position, chunk) items in reverse order (accept.cuh, accept_decide_kernel says why).
-// Opt-in until a GPU run has measured it.
-bool reverse_decide_requested() { return switch_on("FSD_EXT_CUDA_REVERSE_DECIDE"); }
-
-template <bool kStaged>
-bool cluster_fits_dtype(DType dtype, int64_t cluster, size_t bytes) {
-  return with_logits_type(dtype, false, [&](auto t) { return cluster_fits<decltype(t), kStaged>(cluster, bytes); });
+bool cluster_fits_dtype(DType dtype, int64_t cluster) {
+  return with_logits_type(dtype, false, [&](auto t) { return cluster_fits<decltype(t)>(cluster); });
 }
 
 // The vocabulary chunk of each of `n` cluster blocks (a multiple of 64 ids).
 int64_t cluster_chunk(int64_t vocab, int64_t n) { return ((vocab + n - 1) / n + 63) / 64 * 64; }
 
-// FSD_EXT_CUDA_CLUSTER=1: the split path's chunks as one launch of unstaged clusters, the smallest
+// LaunchOptions::cluster: the split path's chunks as one launch of clusters, the smallest
 // power of two of at least the planner's chunk count (at most kMaxCluster), halved while the
 // vocabulary does not fill that many chunks or the device cannot hold such a cluster.
-void plan_unstaged_cluster(const AcceptProblem& pb, AcceptPlan& plan) {
+void plan_cluster(const AcceptProblem& pb, AcceptPlan& plan) {
   int64_t cluster = 1;
   while (cluster < plan.splits && cluster < kMaxCluster) cluster *= 2;
   for (; cluster >= 2 && !plan.clustered; cluster /= 2) {
     const int64_t chunk = cluster_chunk(pb.target_vocab, cluster);
-    if ((pb.target_vocab + chunk - 1) / chunk == cluster && cluster_fits_dtype<false>(pb.dtype, cluster, 0)) {
+    if ((pb.target_vocab + chunk - 1) / chunk == cluster && cluster_fits_dtype(pb.dtype, cluster)) {
       plan.clustered = true;
       plan.splits = cluster;
       plan.chunk = chunk;
@@ -86,38 +63,13 @@ void plan_unstaged_cluster(const AcceptProblem& pb, AcceptPlan& plan) {
   }
 }
 
-AcceptPlan plan_accept(const AcceptProblem& pb) {
+AcceptPlan plan_accept(const AcceptProblem& pb, const LaunchOptions& options) {
   AcceptPlan plan;
   const int64_t positions = pb.max_draft + 1;
   plan.filtered = pb.filter.active() ||
                   (pb.need_divergence && pb.div_top_k > 0 && pb.div_top_k < pb.target_vocab);
   plan.splits = 1;
-  if (!plan.filtered && staged_path_requested()) {
-    // The smallest cluster whose chunks fit the budget, doubled while the grid leaves SMs idle;
-    // halved again while the device cannot hold such a cluster (16 blocks are not portable).
-    const int64_t sms = (int64_t)multiprocessor_count(), blocks = pb.batch * positions;
-    auto chunk_of = [&](int64_t n) { return cluster_chunk(pb.target_vocab, n); };
-    int64_t smallest = 1;
-    while (smallest < kMaxCluster && stage_bytes(pb.dtype, chunk_of(smallest)) > kStageBudget) smallest *= 2;
-    int64_t cluster = smallest;
-    while (cluster < kMaxCluster && blocks * cluster < 2 * sms) cluster *= 2;
-    // Clusters of a power-of-two size only: a small vocabulary does not fill `cluster` chunks of
-    // 64 ids, so shrink the cluster until it does.
-    while (cluster > 1 && (pb.target_vocab + chunk_of(cluster) - 1) / chunk_of(cluster) != cluster) cluster /= 2;
-    for (; cluster >= smallest && !plan.staged; cluster /= 2) {
-      const int64_t chunk = chunk_of(cluster);
-      const int64_t splits = (pb.target_vocab + chunk - 1) / chunk;  // the cluster size launched
-      const size_t bytes = stage_bytes(pb.dtype, chunk);
-      const bool power_of_two = (splits & (splits - 1)) == 0;
-      if (power_of_two && bytes <= kStageBudget && cluster_fits_dtype<true>(pb.dtype, splits, bytes)) {
-        plan.staged = true;
-        plan.stage_bytes = bytes;
-        plan.splits = splits;
-        plan.chunk = chunk;
-      }
-    }
-  }
-  if (!plan.filtered && !plan.staged) {
+  if (!plan.filtered) {
     // Split the vocabulary when the batch alone leaves SMs idle (the fused kernel runs 2 blocks
     // per SM); then aim for ~4 blocks per SM.
     const int64_t sms = (int64_t)multiprocessor_count();
@@ -131,16 +83,16 @@ AcceptPlan plan_accept(const AcceptProblem& pb) {
       // there (the same H200 run: docs/cuda.md).
       plan.splits = std::min((pb.target_vocab + kBatchChunk - 1) / kBatchChunk, kMaxSplits);
     }
-    if (const int64_t requested = splits_requested(); requested > 0)
+    if (const int64_t requested = splits_requested(options); requested > 0)
       plan.splits = std::min(requested, by_vocab);
-    if (plan.splits > 1 && cluster_path_requested()) plan_unstaged_cluster(pb, plan);
+    if (plan.splits > 1 && options.cluster && cluster_path_allowed()) plan_cluster(pb, plan);
   }
-  if (!plan.staged && !plan.clustered) {
+  if (!plan.clustered) {
     const int64_t granule = 2048;
     plan.chunk = ((pb.target_vocab + plan.splits - 1) / plan.splits + granule - 1) / granule * granule;
     plan.splits = (pb.target_vocab + plan.chunk - 1) / plan.chunk;
-    plan.dependent_launch = plan.splits > 1 && dependent_launch_requested(pb.dtype);
-    plan.reverse_decide = plan.splits > 1 && reverse_decide_requested();
+    plan.dependent_launch = plan.splits > 1 && options.dependent_launch && dependent_launch_allowed(pb.dtype);
+    plan.reverse_decide = plan.splits > 1 && options.reverse_decide;
   }
   const size_t rows = (size_t)pb.batch, pos = (size_t)positions, splits = (size_t)plan.splits;
   plan.stats = 0;
@@ -154,22 +106,22 @@ AcceptPlan plan_accept(const AcceptProblem& pb) {
 
 }  // namespace
 
-size_t accept_workspace_bytes(const AcceptProblem& problem) { return plan_accept(problem).total; }
+size_t accept_workspace_bytes(const AcceptProblem& problem, const LaunchOptions& options) {
+  return plan_accept(problem, options).total;
+}
 
-cudaError_t launch_accept(const AcceptProblem& problem, void* workspace, size_t workspace_bytes,
-                          cudaStream_t stream) {
+cudaError_t launch_accept(const AcceptProblem& problem, const LaunchOptions& options, void* workspace,
+                          size_t workspace_bytes, cudaStream_t stream) {
   if (problem.batch == 0) return cudaSuccess;
-  const AcceptPlan plan = plan_accept(problem);
+  const AcceptPlan plan = plan_accept(problem, options);
   if (workspace == nullptr || workspace_bytes < plan.total) return cudaErrorInvalidValue;
-  if (launch_log_on()) {
-    const char* path = plan.staged      ? "staged"
-                       : plan.clustered ? "cluster"
+  if (options.log) {
+    const char* path = plan.clustered     ? "cluster"
                        : plan.splits > 1 ? "split"
                        : plan.filtered   ? "fused-filtered"
                                          : "fused";
-    std::fprintf(stderr, "fsd_ext.accept cuda: path=%s splits=%lld chunk=%lld stage_bytes=%zu pdl=%d reverse=%d\n",
-                 path, (long long)plan.splits, (long long)plan.chunk, plan.stage_bytes, (int)plan.dependent_launch,
-                 (int)plan.reverse_decide);
+    std::fprintf(stderr, "fsd_ext.accept cuda: path=%s splits=%lld chunk=%lld pdl=%d reverse=%d\n", path,
+                 (long long)plan.splits, (long long)plan.chunk, (int)plan.dependent_launch, (int)plan.reverse_decide);
   }
   char* base = static_cast<char*>(workspace);
   return with_logits_type(problem.dtype, cudaErrorInvalidValue, [&](auto t) {

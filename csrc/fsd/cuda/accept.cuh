@@ -23,11 +23,10 @@
 // accept_stats_kernel<..., kFused=true> does both phases per block, pass 2 backwards right after
 // pass 1 (L2 reuse); the launcher zeroes the row counters with a memset first. splits > 1:
 // accept_stats_kernel then accept_decide_kernel.
-// Clusters (opt-in, sm_90+, no filters): one launch of accept_cluster_kernel, a thread-block
-// cluster per (row, position), one chunk per block; a cluster barrier between the two phases
-// replaces the second launch. Staged (FSD_EXT_CUDA_STAGED=1): the blocks hold their chunks in
-// shared memory between the phases, so the logits are read from global memory once; unstaged
-// (FSD_EXT_CUDA_CLUSTER=1): pass 2 re-reads its chunk right after pass 1, while it is in L2.
+// Clusters (opt-in, LaunchOptions::cluster, sm_90+, no filters): one launch of
+// accept_cluster_kernel, a thread-block cluster per (row, position), one chunk per block; a
+// cluster barrier between the two phases replaces the second launch, and pass 2 re-reads its chunk
+// right after pass 1, while it is in L2.
 //
 // Nothing the size of the vocabulary is written: the workspace holds O(B * K * splits) records.
 // Invalid rows (NaN / no finite logit in a used row, num_draft outside [0, K], a draft id outside
@@ -438,9 +437,9 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
   const int64_t draft_vocab = at < nd ? pb.draft_vocab : 0;
   auto weight = [&](int64_t j) -> float {
     const float zt = load_logit(target + j);
-    if (mode == kModeTarget) return info.p.weight(zt);
-    const float pp = info.p.prob(zt, j);
-    const float qq = j < draft_vocab ? info.q.prob(load_logit(draft + j), j) : 0.0f;
+    if (mode == kModeTarget) return sampling_weight(info.p, zt);
+    const float pp = prob(info.p, zt, j);
+    const float qq = j < draft_vocab ? prob(info.q, load_logit(draft + j), j) : 0.0f;
     return pp > qq ? pp - qq : 0.0f;
   };
   const int64_t chosen = sh.chunk, last_chunk = sh.last_chunk;
@@ -479,9 +478,8 @@ enum class OtherPositions : bool { InFlight, Done };
 
 // Pass 2 of one (row, position, chunk) and, in the last block of the row to get there, the row's
 // finish. Every block of the grid calls it exactly once (the counter counts them all). Pass 2 reads
-// the chunk through `target` / `draft` (indexed by vocabulary id): the logit rows in global memory,
-// or with kShared their copies staged in shared memory.
-template <typename T, bool kShared = false>
+// the chunk through `target` / `draft`, the logit rows (indexed by vocabulary id).
+template <typename T>
 __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const AcceptWorkspace& ws, int64_t c,
                                                 int64_t i, int64_t b, bool reverse, OtherPositions others,
                                                 const T* target, const T* draft, DecideShared& sh) {
@@ -554,18 +552,18 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
         PassTwo acc;
         const TopBuckets tb = sh.top;
         with_divergence(pb.divergence, [&](auto tag) {
-          pass_two<decltype(tag)::value, kShared>(target, draft, begin, end, pb.draft_vocab, pd, qd, p, q,
-                                                  pb.need_divergence, need_residual, tb, reverse, acc);
+          pass_two<decltype(tag)::value>(target, draft, begin, end, pb.draft_vocab, pd, qd, p, q,
+                                         pb.need_divergence, need_residual, tb, reverse, acc);
         });
         sums = cub::BlockReduce<PassTwo, kThreads>(sh.temp.reduce).Reduce(acc, PassTwoSum());
         if (tb.on && pb.need_divergence)
-          exact_tiny_rests<kShared>(target, draft, begin, end, pb.draft_vocab, pd, qd, tb, sums);
+          exact_tiny_rests(target, draft, begin, end, pb.draft_vocab, pd, qd, tb, sums);
         FSD_TRACE(pb, kTracePassTwo);
       }
       if (sum_p) {  // (need_residual is false here: draw_mass was free)
         if (run_pass_two) __syncthreads();  // the scan's storage overlays the reduction's
-        sums.draw_mass = block_weight_total(begin, end, [&](int64_t j) { return p.weight(load_logit(target + j)); },
-                                            sh.temp.final_shared.scan);
+        sums.draw_mass = block_weight_total(
+            begin, end, [&](int64_t j) { return sampling_weight(p, load_logit(target + j)); }, sh.temp.final_shared.scan);
       }
       if (threadIdx.x == 0) ws.pass_two[(b * positions + i) * splits + c] = sums;
     }
@@ -585,8 +583,8 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
   FSD_TRACE(pb, kTraceFinishEnd);
 }
 
-// Programmatic dependent launch (sm_90+, opt-in: FSD_EXT_CUDA_PDL=1, see accept.cu). The split
-// path's decision kernel may then be launched once every statistics block has started, so its
+// Programmatic dependent launch (sm_90+, opt-in: LaunchOptions::dependent_launch, see accept.cu).
+// The split path's decision kernel may then be launched once every statistics block has started, so its
 // blocks are resident when the statistics grid ends instead of a launch latency later; it waits for
 // the whole statistics grid (its memory included) before reading anything. Without such a launch
 // both instructions do nothing.
@@ -638,51 +636,25 @@ __global__ void __launch_bounds__(kThreads, kFused ? 2 : 4) accept_stats_kernel(
   }
 }
 
-// Cluster paths (sm_90 and newer, no filters; opt-in, see accept.cu): a thread-block cluster of
+// Cluster path (sm_90 and newer, no filters; opt-in, see accept.cu): a thread-block cluster of
 // `splits` blocks per (row, position), one vocabulary chunk each. The cluster barrier between the
 // phases publishes every chunk's statistics to the whole position (one launch instead of two).
-// kStaged: a block copies its chunk of both logit rows into shared memory while it computes the
-// chunk statistics, and pass 2 reads that copy, so the logits are read from global memory once.
-// Otherwise pass 2 re-reads the chunk from global memory right after pass 1 (backwards: what was
-// read last is the likeliest to be in L1 / L2), with no shared-memory copy to limit occupancy.
-template <typename T, bool kStaged>
+// Pass 2 then re-reads the chunk right after pass 1 (backwards: what was read last is the likeliest
+// to be in L1 / L2).
+template <typename T>
 __global__ void __launch_bounds__(kThreads, 2) accept_cluster_kernel(const AcceptProblem pb, const AcceptWorkspace ws) {
 #if FSD_CLUSTER_KERNELS
   const int64_t k = pb.max_draft, positions = k + 1, splits = ws.splits;
   const int64_t c = blockIdx.x % splits, i = (blockIdx.x / splits) % positions, b = blockIdx.x / (splits * positions);
   const int64_t nd = row_num_draft(pb, b);
-  const T* target = target_row<T>(pb, b, i);
-  const T* draft = draft_row<T>(pb, b, i);
   FSD_TRACE(pb, kTraceStatsBegin);
   __shared__ DecideShared sh;
-  if constexpr (kStaged) {
-    extern __shared__ uint4 stage[];  // target chunk, then draft chunk (stage_region_bytes each)
-    const int64_t begin = c * ws.chunk, end = min(pb.target_vocab, begin + ws.chunk);
-    T* staged_target = stage_pointer(stage, target, begin);
-    T* staged_draft = stage_pointer(reinterpret_cast<char*>(stage) + stage_region_bytes(ws.chunk, sizeof(T)), draft, begin);
-    if (nd >= 0 && nd <= k && i <= nd) {  // the same for every block of the cluster
-      const RowTemps temps = row_temps(pb, b);
-      __shared__ typename StatReduce<T>::TempStorage temp;
-      __shared__ RowStat stat_out;
-      const int64_t slot = (b * positions + i) * 2;
-      const RowStat st_t = block_stage_stat(target, staged_target, begin, end, temps.inv_s, temps.inv_d, temp, stat_out);
-      if (threadIdx.x == 0) ws.chunk_stats[slot * splits + c] = st_t;
-      if (i < nd) {
-        const RowStat st_d = block_stage_stat(draft, staged_draft, begin, min(end, pb.draft_vocab), temps.inv_s,
-                                              temps.inv_d, temp, stat_out);
-        if (threadIdx.x == 0) ws.chunk_stats[(slot + 1) * splits + c] = st_d;
-      }
-    }
-    // Release / acquire at cluster scope: after it every chunk record of this position is visible
-    // to the L2 loads in decide_position.
-    cooperative_groups::this_cluster().sync();
-    FSD_TRACE(pb, kTraceStatsEnd);  // the cluster's statistics published
-    decide_position<T, true>(pb, ws, c, i, b, false, OtherPositions::InFlight, staged_target, staged_draft, sh);
-  } else {
-    if (nd >= 0 && nd <= k && i <= nd) position_stats<T, false>(pb, ws, c, i, b, nd);
-    cooperative_groups::this_cluster().sync();  // (as above)
-    decide_position<T>(pb, ws, c, i, b, true, OtherPositions::InFlight, target, draft, sh);
-  }
+  if (nd >= 0 && nd <= k && i <= nd) position_stats<T, false>(pb, ws, c, i, b, nd);
+  // Release / acquire at cluster scope: after it every chunk record of this position is visible
+  // to the L2 loads in decide_position.
+  cooperative_groups::this_cluster().sync();
+  decide_position<T>(pb, ws, c, i, b, true, OtherPositions::InFlight, target_row<T>(pb, b, i), draft_row<T>(pb, b, i),
+                     sh);
 #endif
 }
 

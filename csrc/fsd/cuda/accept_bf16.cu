@@ -5,8 +5,7 @@ namespace fsd {
 namespace cuda {
 
 template cudaError_t launch_accept_typed<BFloat16>(const AcceptProblem&, const AcceptPlan&, char*, cudaStream_t);
-template bool cluster_fits<BFloat16, true>(int64_t, size_t);
-template bool cluster_fits<BFloat16, false>(int64_t, size_t);
+template bool cluster_fits<BFloat16>(int64_t);
 template bool decide_kernel_waits<BFloat16>();
 
 }  // namespace cuda

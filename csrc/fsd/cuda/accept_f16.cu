@@ -5,8 +5,7 @@ namespace fsd {
 namespace cuda {
 
 template cudaError_t launch_accept_typed<Float16>(const AcceptProblem&, const AcceptPlan&, char*, cudaStream_t);
-template bool cluster_fits<Float16, true>(int64_t, size_t);
-template bool cluster_fits<Float16, false>(int64_t, size_t);
+template bool cluster_fits<Float16>(int64_t);
 template bool decide_kernel_waits<Float16>();
 
 }  // namespace cuda

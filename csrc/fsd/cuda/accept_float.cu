@@ -5,8 +5,7 @@ namespace fsd {
 namespace cuda {
 
 template cudaError_t launch_accept_typed<float>(const AcceptProblem&, const AcceptPlan&, char*, cudaStream_t);
-template bool cluster_fits<float, true>(int64_t, size_t);
-template bool cluster_fits<float, false>(int64_t, size_t);
+template bool cluster_fits<float>(int64_t);
 template bool decide_kernel_waits<float>();
 
 }  // namespace cuda

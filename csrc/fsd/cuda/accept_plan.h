@@ -14,18 +14,14 @@
 namespace fsd {
 namespace cuda {
 
-// Cluster paths: a cluster of at most 16 blocks per (row, position) (above 8, the portable size,
-// only where the device allows it); staged, each holding its chunk of both rows in at most
-// kStageBudget bytes of shared memory (two blocks per SM).
+// Cluster path: a cluster of at most 16 blocks per (row, position) (above 8, the portable size,
+// only where the device allows it).
 constexpr int64_t kMaxCluster = 16;
-constexpr size_t kStageBudget = 100 * 1024;
 
 // How one accept call is laid out: the path, the vocabulary chunks and the workspace offsets.
 struct AcceptPlan {
   bool filtered = false;
-  bool staged = false;     // cluster kernel, chunks staged in shared memory
-  bool clustered = false;  // cluster kernel, unstaged
-  size_t stage_bytes = 0;  // dynamic shared memory per block of the staged kernel
+  bool clustered = false;  // one launch of the cluster kernel
   bool dependent_launch = false;  // split path: kernel 2 by programmatic dependent launch
   bool reverse_decide = false;    // split path: kernel 2 takes the work in reverse order
   int64_t splits = 1, chunk = 0;
@@ -36,10 +32,10 @@ struct AcceptPlan {
 template <typename T>
 cudaError_t launch_accept_typed(const AcceptProblem& pb, const AcceptPlan& plan, char* base, cudaStream_t stream);
 
-// Whether a cluster of `cluster` blocks of the cluster kernel (staged: with `bytes` of dynamic shared
-// memory each) can be resident on the current device (cached per device, cluster size and size).
-template <typename T, bool kStaged>
-bool cluster_fits(int64_t cluster, size_t bytes);
+// Whether a cluster of `cluster` blocks of the cluster kernel can be resident on the current device
+// (cached per device and cluster size).
+template <typename T>
+bool cluster_fits(int64_t cluster);
 
 // Whether the split path's decision kernel, as the current device runs it, waits for the statistics
 // grid (griddepcontrol.wait): only then may it be launched by programmatic dependent launch.

@@ -1,4 +1,4 @@
-// The per-dtype half of fsd_ext.accept's host launcher: kernel launches and the cluster paths'
+// The per-dtype half of fsd_ext.accept's host launcher: kernel launches and the cluster path's
 // occupancy query. Included once per logits dtype (accept_float.cu, accept_bf16.cu,
 // accept_f16.cu), which instantiate it.
 #pragma once
@@ -12,31 +12,29 @@ namespace cuda {
 
 // kernel_config (launch_util.h) with one launch attribute (which the caller keeps alive until the
 // launch).
-inline cudaLaunchConfig_t attributed_config(unsigned grid, size_t bytes, cudaStream_t stream,
-                                            cudaLaunchAttribute* attribute) {
-  cudaLaunchConfig_t config = kernel_config(dim3(grid), bytes, stream);
+inline cudaLaunchConfig_t attributed_config(unsigned grid, cudaStream_t stream, cudaLaunchAttribute* attribute) {
+  cudaLaunchConfig_t config = kernel_config(dim3(grid), stream);
   config.attrs = attribute;
   config.numAttrs = 1;
   return config;
 }
 
-// The cluster kernels: clusters of `cluster` blocks along x.
-inline cudaLaunchConfig_t cluster_config(unsigned grid, int64_t cluster, size_t bytes, cudaStream_t stream,
+// The cluster kernel: clusters of `cluster` blocks along x.
+inline cudaLaunchConfig_t cluster_config(unsigned grid, int64_t cluster, cudaStream_t stream,
                                         cudaLaunchAttribute* attribute) {
   attribute->id = cudaLaunchAttributeClusterDimension;
   attribute->val.clusterDim.x = (unsigned)cluster;
   attribute->val.clusterDim.y = 1;
   attribute->val.clusterDim.z = 1;
-  return attributed_config(grid, bytes, stream, attribute);
+  return attributed_config(grid, stream, attribute);
 }
 
-// Whether a cluster of `cluster` blocks of accept_cluster_kernel<T, kStaged> with `bytes` of staged
-// shared memory each (0 unstaged) can be resident on the current device (asked once per device,
-// dtype, variant, cluster size and size).
-template <typename T, bool kStaged>
-bool cluster_fits(int64_t cluster, size_t bytes) {
-  const auto kernel = accept_cluster_kernel<T, kStaged>;
-  struct Entry { int device = -1; int64_t cluster = 0; size_t bytes = 0; bool fits = false; };
+// Whether a cluster of `cluster` blocks of accept_cluster_kernel<T> can be resident on the current
+// device (asked once per device, dtype and cluster size).
+template <typename T>
+bool cluster_fits(int64_t cluster) {
+  const auto kernel = accept_cluster_kernel<T>;
+  struct Entry { int device = -1; int64_t cluster = 0; bool fits = false; };
   constexpr int kEntries = 16;
   static thread_local Entry cache[kEntries];
   static thread_local int next = 0;
@@ -45,19 +43,17 @@ bool cluster_fits(int64_t cluster, size_t bytes) {
   // other paths for this call) rather than clear it with ours.
   if (cudaPeekAtLastError() != cudaSuccess || cudaGetDevice(&device) != cudaSuccess) return false;
   for (const Entry& e : cache)
-    if (e.device == device && e.cluster == cluster && e.bytes == bytes) return e.fits;
+    if (e.device == device && e.cluster == cluster) return e.fits;
   // The kernel body exists only in code compiled for sm_90 or newer (not in, say, sm_80 PTX that the
   // driver compiled for this device).
   cudaFuncAttributes attributes;
   bool answered = cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess;
   bool fits = answered && attributes.ptxVersion >= 90 && attributes.binaryVersion >= 90;
   if (fits) {
-    answered = (!kStaged || cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 (int)kStageBudget) == cudaSuccess) &&
-               (cluster <= 8 ||
-                cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess);
+    answered = cluster <= 8 ||
+               cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess;
     cudaLaunchAttribute attribute;
-    const cudaLaunchConfig_t config = cluster_config((unsigned)cluster, cluster, bytes, nullptr, &attribute);
+    const cudaLaunchConfig_t config = cluster_config((unsigned)cluster, cluster, nullptr, &attribute);
     int clusters = 0;
     answered = answered && cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) == cudaSuccess;
     fits = answered && clusters > 0;
@@ -66,7 +62,7 @@ bool cluster_fits(int64_t cluster, size_t bytes) {
     (void)cudaGetLastError();  // our failed query (e.g. not allowed while a graph is captured)
     return false;              // not cached: ask again next time
   }
-  cache[next] = Entry{device, cluster, bytes, fits};
+  cache[next] = Entry{device, cluster, fits};
   next = (next + 1) % kEntries;
   return fits;
 }
@@ -106,12 +102,11 @@ cudaError_t launch_accept_typed(const AcceptProblem& pb, const AcceptPlan& plan,
   const int64_t blocks = pb.batch * (pb.max_draft + 1) * plan.splits;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   const unsigned grid = (unsigned)blocks;
-  if (plan.staged || plan.clustered) {  // one launch; its row counters start from zero
+  if (plan.clustered) {  // one launch; its row counters start from zero
     FSD_CUDA_CHECK(cudaMemsetAsync(ws.counters, 0, (size_t)pb.batch * sizeof(uint32_t), stream));
     cudaLaunchAttribute attribute;
-    const cudaLaunchConfig_t config = cluster_config(grid, plan.splits, plan.stage_bytes, stream, &attribute);
-    if (plan.staged) FSD_CUDA_CHECK(cudaLaunchKernelEx(&config, accept_cluster_kernel<T, true>, pb, ws));
-    else FSD_CUDA_CHECK(cudaLaunchKernelEx(&config, accept_cluster_kernel<T, false>, pb, ws));
+    const cudaLaunchConfig_t config = cluster_config(grid, plan.splits, stream, &attribute);
+    FSD_CUDA_CHECK(cudaLaunchKernelEx(&config, accept_cluster_kernel<T>, pb, ws));
   } else if (plan.splits == 1) {  // one fused launch; its row counters start from zero
     FSD_CUDA_CHECK(cudaMemsetAsync(ws.counters, 0, (size_t)pb.batch * sizeof(uint32_t), stream));
     if (plan.filtered) FSD_CUDA_CHECK(launch_kernel(accept_stats_kernel<T, true, true>, grid, stream, pb, ws));
@@ -122,7 +117,7 @@ cudaError_t launch_accept_typed(const AcceptProblem& pb, const AcceptPlan& plan,
       cudaLaunchAttribute attribute;
       attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
       attribute.val.programmaticStreamSerializationAllowed = 1;
-      const cudaLaunchConfig_t config = attributed_config(grid, 0, stream, &attribute);
+      const cudaLaunchConfig_t config = attributed_config(grid, stream, &attribute);
       FSD_CUDA_CHECK(cudaLaunchKernelEx(&config, accept_decide_kernel<T>, pb, ws));
     } else {
       FSD_CUDA_CHECK(launch_kernel(accept_decide_kernel<T>, grid, stream, pb, ws));

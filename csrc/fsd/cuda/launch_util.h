@@ -5,11 +5,11 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <utility>
 
 #include "fsd/common.h"
 #include "fsd/cuda/device.cuh"
+#include "fsd/cuda/launch_options.h"
 
 // Returns the error of a CUDA runtime call from the enclosing function (which returns cudaError_t).
 #define FSD_CUDA_CHECK(expr)                  \
@@ -21,13 +21,13 @@
 namespace fsd {
 namespace cuda {
 
-// Launch configuration of `grid` blocks of kThreads with `bytes` of dynamic shared memory on
-// `stream`, no launch attributes.
-inline cudaLaunchConfig_t kernel_config(dim3 grid, size_t bytes, cudaStream_t stream) {
+// Launch configuration of `grid` blocks of kThreads on `stream` (no dynamic shared memory), no
+// launch attributes.
+inline cudaLaunchConfig_t kernel_config(dim3 grid, cudaStream_t stream) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = bytes;
+  config.dynamicSmemBytes = 0;
   config.stream = stream;
   return config;
 }
@@ -38,7 +38,7 @@ inline cudaLaunchConfig_t kernel_config(dim3 grid, size_t bytes, cudaStream_t st
 // implements.
 template <typename... Params, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, cudaStream_t stream, Args&&... args) {
-  const cudaLaunchConfig_t config = kernel_config(grid, 0, stream);
+  const cudaLaunchConfig_t config = kernel_config(grid, stream);
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
@@ -65,23 +65,8 @@ inline size_t align_up(size_t n) { return (n + 255) / 256 * 256; }
 constexpr int64_t kMinChunk = 4096;
 constexpr int64_t kMaxSplits = 64;
 
-// FSD_EXT_CUDA_SPLITS=n (benchmarks and tests, read on every call): the split paths cut each
-// vocabulary row into n chunks (at most kMaxSplits; the planners also keep chunks of at least
-// kMinChunk ids) instead of the planner's choice; 0 when unset or not a positive integer.
-inline int64_t splits_requested() {
-  const char* flag = std::getenv("FSD_EXT_CUDA_SPLITS");
-  if (flag == nullptr) return 0;
-  char* end = nullptr;
-  const long long n = std::strtoll(flag, &end, 10);
-  return end != flag && *end == '\0' && n > 0 ? (int64_t)std::min<long long>(n, kMaxSplits) : 0;
-}
-
-// Whether FSD_EXT_CUDA_LOG=1: the launchers print the path each call takes (tests and benchmarks
-// check it without a profiler).
-inline bool launch_log_on() {
-  const char* flag = std::getenv("FSD_EXT_CUDA_LOG");
-  return flag != nullptr && flag[0] == '1';
-}
+// LaunchOptions::splits as a planner takes it: at most kMaxSplits chunks (0: the planner's choice).
+inline int64_t splits_requested(const LaunchOptions& options) { return std::min(options.splits, kMaxSplits); }
 
 // Streaming multiprocessors of the current device (no synchronisation).
 inline int multiprocessor_count() { return cached_device_attribute<0>(cudaDevAttrMultiProcessorCount, 132); }

@@ -33,13 +33,13 @@ struct SamplePlan {
 // needs only the row's maximum): chunks so that the grid holds about 4 blocks per SM, as accept's
 // split path. The one-block kernel runs 2 blocks per
 // SM, so from 2 rows per SM on every SM is busy without splitting.
-SamplePlan plan_sample(const SampleProblem& pb) {
+SamplePlan plan_sample(const SampleProblem& pb, const LaunchOptions& options) {
   SamplePlan plan;
   const int64_t rows = pb.batch * pb.positions, sms = (int64_t)multiprocessor_count();
   if (pb.filter.ranks(pb.vocab) || rows == 0) return plan;
   const int64_t by_vocab = std::max<int64_t>(1, (pb.vocab + kMinChunk - 1) / kMinChunk);
   if (rows < 2 * sms) plan.splits = std::min({(4 * sms + rows - 1) / rows, by_vocab, kMaxSplits});
-  if (const int64_t requested = splits_requested(); requested > 0) plan.splits = std::min(requested, by_vocab);
+  if (const int64_t requested = splits_requested(options); requested > 0) plan.splits = std::min(requested, by_vocab);
   if (plan.splits <= 1) return SamplePlan{};
   const int64_t granule = 2048;
   plan.chunk = ((pb.vocab + plan.splits - 1) / plan.splits + granule - 1) / granule * granule;
@@ -72,15 +72,17 @@ cudaError_t launch_sample_typed(const SampleProblem& pb, const SamplePlan& plan,
 
 }  // namespace
 
-size_t sample_workspace_bytes(const SampleProblem& problem) { return plan_sample(problem).total; }
+size_t sample_workspace_bytes(const SampleProblem& problem, const LaunchOptions& options) {
+  return plan_sample(problem, options).total;
+}
 
-cudaError_t launch_sample(const SampleProblem& problem, void* workspace, size_t workspace_bytes,
-                          cudaStream_t stream) {
+cudaError_t launch_sample(const SampleProblem& problem, const LaunchOptions& options, void* workspace,
+                          size_t workspace_bytes, cudaStream_t stream) {
   if (problem.batch == 0 || problem.positions == 0) return cudaSuccess;
   if (problem.positions > INT32_MAX || problem.batch > 65535) return cudaErrorInvalidConfiguration;
-  const SamplePlan plan = plan_sample(problem);
+  const SamplePlan plan = plan_sample(problem, options);
   if (plan.splits > 1 && (workspace == nullptr || workspace_bytes < plan.total)) return cudaErrorInvalidValue;
-  if (launch_log_on())
+  if (options.log)
     std::fprintf(stderr, "fsd_ext.sample cuda: path=%s splits=%lld chunk=%lld\n", plan.splits > 1 ? "split" : "rows",
                  (long long)plan.splits, (long long)plan.chunk);
   char* base = static_cast<char*>(workspace);

@@ -84,10 +84,10 @@ __global__ void __launch_bounds__(kThreads, 2) sample_rows_kernel(const SamplePr
                         ? block_filter_cutoff(row, pb.vocab, st.max, inv, pb.filter, select, temp.sum, shared_double)
                         : -kInf;
   // The draw is u times the total of the very weights the scan adds up (block_weight_total), so
-  // p's weights need no normaliser (its sum, which weight() does not read, is the unfiltered one).
+  // p's weights need no normaliser (its sum, which sampling_weight does not read, is the unfiltered one).
   const Dist p = softmax_dist(st.max, inv, cut, (double)st.sum_s);
   const double u = draw_uniform(pb.key, b, s, Purpose::Draft);
-  auto weight = [&](int64_t j) { return p.weight(load_logit(row + j)); };
+  auto weight = [&](int64_t j) { return sampling_weight(p, load_logit(row + j)); };
   const double total = block_weight_total(0, pb.vocab, weight, scan);
   int64_t last_positive = -1;
   int64_t token = block_inverse_cdf(0, pb.vocab, 0.0, u * total, weight, scan, last_positive);
@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(kThreads, 2) sample_draw_kernel(const SamplePr
   }
   // (sum_s, the unfiltered sum, is never read: the draw measures u in the weights' own total.)
   const Dist p = softmax_dist(st.max, at.inv, pb.filter.min_p_cut(), st.sum_s);
-  auto weight = [&](int64_t j) { return p.weight(load_logit(at.row + j)); };
+  auto weight = [&](int64_t j) { return sampling_weight(p, load_logit(at.row + j)); };
   const double own = block_weight_total(at.begin, at.end, weight, scan);
   const double* totals = ws.chunk_totals + at.r * ws.splits;
   if (threadIdx.x == 0) {

@@ -24,18 +24,16 @@
 #include <cstdint>
 
 #include "fsd/common.h"
+#include "fsd/numerics.h"
 #include "fsd/rules.h"
 
 namespace fsd {
 namespace cuda {
 
-constexpr float kInf = __builtin_huge_valf();
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr double kLn2 = 0.69314718055994530942;
 constexpr float kLog2ZeroInDouble = (float)(kLogZeroInDouble / kLn2);  // rules.h, in log2 units
 constexpr float kLog2ZeroByConstructionBelow = (float)(kZeroByConstructionBelow / kLn2);  // likewise
-
-FSD_INLINE float clamp_logit(float x) { return x == kInf ? FLT_MAX : x; }
 
 // 2^x on the special-function unit (ex2.approx.ftz): relative error about 2^-22, results below
 // 2^-126 flush to 0. The streaming sums use it; decisions (p and q of a draft token) keep double.

@@ -16,7 +16,7 @@ namespace cuda {
 
 // The points, in the order a block passes them (the numbers are the trace file's; never renumber).
 enum TraceTag : uint32_t {
-  kTraceStatsBegin = 0,   // statistics kernel (or fused / staged kernel) entered
+  kTraceStatsBegin = 0,   // statistics kernel (or fused / cluster kernel) entered
   kTraceStatsTarget = 1,  // the target chunk's statistics reduced
   kTraceStatsEnd = 2,     // the draft chunk's statistics reduced (and, with filters, the cutoffs)
   kTraceDecideBegin = 3,  // decision phase entered (split path: the second kernel)

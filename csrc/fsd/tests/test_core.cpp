@@ -102,9 +102,7 @@ void test_top_p_first_pass() {
   for (int64_t n : {63, 1000, 151937}) {
     std::vector<float> z(n);
     for (int64_t j = 0; j < n; ++j) z[j] = j % 97 == 5 ? -INFINITY : 2.0f * normal(gen);
-    fsd::cpu::Dist d;
-    d.max = *std::max_element(z.begin(), z.end());
-    d.inv_tau = 1.0f / 0.7f;
+    const fsd::Dist d = fsd::softmax_dist(*std::max_element(z.begin(), z.end()), 1.0f / 0.7f, -INFINITY, 1.0);
     for (const float floor : {-INFINITY, -3.0f}) {
       std::vector<float> maxima, expected_maxima;
       fsd::cpu::Visited visited;
@@ -295,9 +293,7 @@ void test_filter_cutoffs_equal_sorting() {
       if (shape == 5 && n == 1000) std::fill(z.begin() + 10, z.end(), -INFINITY);  // < k finite
       const float max = *std::max_element(z.begin(), z.end());
       for (float tau : {1.0f, 0.7f, 2.0f}) {
-        fsd::cpu::Dist d;
-        d.max = max;
-        d.inv_tau = 1.0f / tau;
+        const fsd::Dist d = fsd::softmax_dist(max, 1.0f / tau, -INFINITY, 1.0);
         const fsd::SamplingFilter filters[] = {
             {1, 1.0f, 0.0f},    {50, 1.0f, 0.0f},    {256, 1.0f, 0.0f},  {257, 1.0f, 0.0f},
             {1500, 1.0f, 0.0f}, {n - 1, 1.0f, 0.0f}, {0, 0.3f, 0.0f},    {0, 0.9f, 0.0f},
@@ -332,8 +328,7 @@ void test_filter_cutoffs_equal_sorting() {
   std::vector<float> rising(1027);
   for (int j = 0; j < 1026; ++j) rising[j] = (float)j;
   rising[1026] = 1024.5f;
-  fsd::cpu::Dist d;
-  d.max = 1025.0f;
+  const fsd::Dist d = fsd::softmax_dist(1025.0f, 1.0f, -INFINITY, 1.0);
   EXPECT(fsd::cpu::filter_cutoff(rising.data(), 1027, d, {2, 1.0f, 0.0f}, scratch) == -0.5f);
 }
 

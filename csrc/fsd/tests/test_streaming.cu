@@ -17,6 +17,7 @@
 
 namespace {
 
+using fsd::clamp_logit;
 using fsd::Divergence;
 using namespace fsd::cuda;
 

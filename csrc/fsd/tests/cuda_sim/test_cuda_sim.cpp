@@ -2,8 +2,8 @@
 // against the CPU kernel on random problems (../fuzz_inputs.h): with the same seed both must give
 // the same valid flags, accepted counts and tokens, and the same divergences up to rounding. The
 // problems include vocabularies large enough for the vector body and for the split-vocabulary
-// path (the simulated device's SM count steers the planner; FSD_EXT_CUDA_SPLITS / _PDL / _STAGED /
-// _CLUSTER vary the launch: the cluster kernels run with a cluster's blocks at once), and the
+// path (the simulated device's SM count steers the planner; the launch options' splits, pdl,
+// reverse and cluster vary the launch: the cluster kernel runs with a cluster's blocks at once), and the
 // blocks and a block's threads run in forward, reverse or shuffled order between barriers, so a
 // missing __syncthreads (or cluster barrier) changes a result. Every fourth accept call runs again
 // on other workspace garbage and must give the same bits; edge layouts (V = 262144, a batch
@@ -12,7 +12,7 @@
 // Rows may differ only at floating-point edges (on the fuzzer's extreme inputs: thresholds of 0 or
 // 1e-7 that a float sum decides; a uniform within rounding of a sampling boundary): at most 0.1%.
 // Well-separated problems must agree on every row on every launch path (whole rows, split, PDL,
-// staged and unstaged clusters), and a negative control (the CUDA side's seed changed) must
+// reversed decisions, clusters), and a negative control (the CUDA side's seed changed) must
 // disagree on most.
 //
 // Usage: test_cuda_sim [cases]   (default $FSD_SIM_CASES or 300; exit status 1 on a failed check;
@@ -56,30 +56,25 @@ bool divergences_agree(float cpu, float gpu) {
   return std::fabs(cpu - gpu) <= 1e-5 + 2e-3 * std::fabs(cpu);
 }
 
-void set_env(const char* name, const std::string& value) {
-  if (value.empty()) unsetenv(name);
-  else setenv(name, value.c_str(), 1);
-}
+// The launch options of every CUDA call the test makes (launch_accept_on, launch_sample_on).
+fsd::cuda::LaunchOptions launch_options;
 
 // The simulated device and launch for case `n`: the device (its SM count steers the planner),
-// forced splits, PDL, the opt-in cluster paths (staged, unstaged) and the block / thread order.
+// forced splits, PDL, reversed decisions, the opt-in cluster path and the block / thread order.
 void vary_launch(Rng& rng, int n) {
   CHECK(cudaSetDevice((int)rng.integer(0, sim::kDeviceCount - 1)) == cudaSuccess, "cudaSetDevice");
-  set_env("FSD_EXT_CUDA_SPLITS", rng.uniform() < 0.3 ? std::to_string(rng.integer(2, 8)) : "");
-  set_env("FSD_EXT_CUDA_PDL", rng.uniform() < 0.3 ? "1" : "");
-  set_env("FSD_EXT_CUDA_REVERSE_DECIDE", rng.uniform() < 0.3 ? "1" : "");
-  const double path = rng.uniform();
-  set_env("FSD_EXT_CUDA_STAGED", path < 0.2 ? "1" : "");
-  set_env("FSD_EXT_CUDA_CLUSTER", path >= 0.2 && path < 0.4 ? "1" : "");
+  launch_options = {};
+  if (rng.uniform() < 0.3) launch_options.splits = rng.integer(2, 8);
+  launch_options.dependent_launch = rng.uniform() < 0.3;
+  launch_options.reverse_decide = rng.uniform() < 0.3;
+  launch_options.cluster = rng.uniform() < 0.3;
   sim::order = (sim::Order)(n % 3);
 }
 
-// The launcher switches at their defaults on simulated device `device`.
+// The launch options at their defaults on simulated device `device`.
 void default_launch(int device) {
   CHECK(cudaSetDevice(device) == cudaSuccess, "cudaSetDevice");
-  for (const char* name : {"FSD_EXT_CUDA_SPLITS", "FSD_EXT_CUDA_PDL", "FSD_EXT_CUDA_STAGED", "FSD_EXT_CUDA_CLUSTER",
-                           "FSD_EXT_CUDA_REVERSE_DECIDE"})
-    set_env(name, "");
+  launch_options = {};
 }
 
 struct Tally {
@@ -91,20 +86,20 @@ struct Tally {
 // fsd::cuda::launch_accept(p) on a fresh workspace whose every byte is `garbage` (the API allows
 // uninitialised workspace). Returns whether the launch succeeded.
 bool launch_accept_on(const fsd::AcceptProblem& p, uint8_t garbage) {
-  const size_t bytes = fsd::cuda::accept_workspace_bytes(p);
+  const size_t bytes = fsd::cuda::accept_workspace_bytes(p, launch_options);
   std::vector<uint8_t> workspace(bytes + 256, garbage);
   void* base = workspace.data() + (256 - (uintptr_t)workspace.data() % 256) % 256;  // as cudaMalloc's
-  return fsd::cuda::launch_accept(p, base, bytes, nullptr) == cudaSuccess;
+  return fsd::cuda::launch_accept(p, launch_options, base, bytes, nullptr) == cudaSuccess;
 }
 
 // fsd::cuda::launch_sample(p) on a fresh workspace (as launch_accept_on), recording the path taken.
 int64_t sample_split_launches = 0;
 bool launch_sample_on(const fsd::SampleProblem& p, uint8_t garbage) {
-  const size_t bytes = fsd::cuda::sample_workspace_bytes(p);
+  const size_t bytes = fsd::cuda::sample_workspace_bytes(p, launch_options);
   std::vector<uint8_t> workspace(bytes + 256, garbage);
   void* base = workspace.data() + (256 - (uintptr_t)workspace.data() % 256) % 256;
   if (bytes > 0) ++sample_split_launches;
-  return fsd::cuda::launch_sample(p, bytes ? base : nullptr, bytes, nullptr) == cudaSuccess;
+  return fsd::cuda::launch_sample(p, launch_options, bytes ? base : nullptr, bytes, nullptr) == cudaSuccess;
 }
 
 // Bit-identical outputs (NaN patterns included).
@@ -217,17 +212,15 @@ Tally compare_accept(AcceptCase& c, int n, int64_t seed_shift) {
 struct LaunchPath {
   const char* name;
   int device;                   // sim::kDevices: 132 SMs (0) or 1 (2)
-  const char* launcher_switch;  // set to 1 (null: the defaults)
+  bool pdl, reverse, cluster;    // the launch options set (all false: the defaults)
   int64_t launches, cluster_launches, dependent_launches;
 };
 const LaunchPath kLaunchPaths[] = {
-    {"fused", 2, nullptr, 1, 0, 0},                 // 32 blocks fill one SM: whole rows, one launch
-    {"split", 0, nullptr, 2, 0, 0},                 // 32 blocks on 132 SMs: vocabulary chunks, two launches
-    {"split + PDL", 0, "FSD_EXT_CUDA_PDL", 2, 0, 1},
-    {"split, decide reversed", 0, "FSD_EXT_CUDA_REVERSE_DECIDE", 2, 0, 0},
-    {"staged clusters", 0, "FSD_EXT_CUDA_STAGED", 1, 1, 0},  // 16-block clusters
-    {"staged, one block", 2, "FSD_EXT_CUDA_STAGED", 1, 1, 0},  // clusters of one
-    {"unstaged clusters", 0, "FSD_EXT_CUDA_CLUSTER", 1, 1, 0},
+    {"fused", 2, false, false, false, 1, 0, 0},  // 32 blocks fill one SM: whole rows, one launch
+    {"split", 0, false, false, false, 2, 0, 0},  // 32 blocks on 132 SMs: vocabulary chunks, two launches
+    {"split + PDL", 0, true, false, false, 2, 0, 1},
+    {"split, decide reversed", 0, false, true, false, 2, 0, 0},
+    {"clusters", 0, false, false, true, 1, 1, 0},
 };
 
 Tally compare_random_accept(Rng& rng, int n) {
@@ -290,19 +283,19 @@ void separated_accept_case(Rng& rng, AcceptCase& c, int64_t batch, int64_t k, in
 }
 
 // Edge layouts on both kernels: the largest vocabulary issue 3 names (262144 ids: the split path's
-// 64 chunks; staged, 16 blocks of 64 KiB of dynamic shared memory, past the default 48 KiB) and a
+// 64 chunks; the cluster path's 16 blocks of 16384 ids) and a
 // batch stride past 2^31 elements (64-bit offsets; the pages between the two rows are allocated
 // but never touched, so the 4 GiB buffer costs no memory). Every row must agree.
 Tally compare_edges(Rng& rng, int n) {
   Tally tally;
   AcceptCase big;
   separated_accept_case(rng, big, 1, 2, 262144, DType::BFloat16, fsd::Rule::FSD);
-  for (const bool staged : {false, true}) {
+  for (const bool cluster : {false, true}) {
     default_launch(0);
-    set_env("FSD_EXT_CUDA_STAGED", staged ? "1" : "");
+    launch_options.cluster = cluster;
     const Tally t = compare_accept(big, n, 0);
-    CHECK(t.first_call.cluster_launches == (staged ? 1 : 0), "V 262144: staged %d, %ld cluster launches", (int)staged,
-          (long)t.first_call.cluster_launches);
+    CHECK(t.first_call.cluster_launches == (cluster ? 1 : 0), "V 262144: cluster %d, %ld cluster launches",
+          (int)cluster, (long)t.first_call.cluster_launches);
     tally.add(t);
   }
   default_launch(0);
@@ -528,7 +521,7 @@ void compare_sample_paths(Rng& rng, Tally& separated, Tally& control) {
     for (const bool split : {false, true})
       for (const float min_p : {0.0f, 0.05f}) {
         default_launch(0);  // 132 SMs: 8 rows take the split path unless forced to one chunk
-        if (!split) set_env("FSD_EXT_CUDA_SPLITS", "1");
+        if (!split) launch_options.splits = 1;
         SampleCase c;
         Logits& l = c.logits;
         l.dtype = dtype;
@@ -686,7 +679,7 @@ PassTwoBlocks count_pass_two_blocks(uint64_t seed) {
     AcceptOutputs cpu, gpu;
     fsd::AcceptProblem q = run_on_cpu(c, cpu, gpu);
     default_launch(0);
-    set_env("FSD_EXT_CUDA_SPLITS", std::to_string(splits));
+    launch_options.splits = splits;
     const sim::LaunchCounts launches_before = sim::counts;
     const int64_t before = sim::trace_points[fsd::cuda::kTracePassTwo].load();
     CHECK(launch_accept_on(q, 0x5A), "pass-2 count: launch failed");
@@ -703,7 +696,7 @@ PassTwoBlocks count_pass_two_blocks(uint64_t seed) {
       CHECK(gpu.tokens == sd_tokens, "pass-2 count: fsd with threshold 0 did not decide as sd");
     }
   }
-  set_env("FSD_EXT_CUDA_SPLITS", "");
+  launch_options = {};
   CHECK(counted.sd == splits * counted.rejecting_rows, "sd: %ld blocks ran pass 2, expected %ld (%ld rows reject)",
         (long)counted.sd, (long)(splits * counted.rejecting_rows), (long)counted.rejecting_rows);
   CHECK(counted.fsd > counted.sd, "the control (fsd, threshold 0) ran pass 2 in %ld blocks, sd in %ld",
@@ -714,7 +707,7 @@ PassTwoBlocks count_pass_two_blocks(uint64_t seed) {
 // How many times a launch path reads the logits, on the GPU benchmark's inputs
 // (benchmarks/bench_accept_cuda.py, make_inputs): target N(0, 9), drafts the target plus N(0, 1),
 // drafted ids uniform, fsd / js at T = 0.3 unless the row says otherwise. The simulation counts the
-// bytes the kernels' load helpers read from the two logit buffers (device.cuh, FSD_SIM_READ), in
+// bytes the kernels' load helpers read from the two logit buffers (loads.cuh, FSD_SIM_READ), in
 // units of the logits' size. A memory-bound step that reads r times the logits, none of it from L2,
 // reaches at most 1/r of the read bandwidth.
 struct ReadCount {
@@ -750,9 +743,8 @@ std::vector<ReadCount> count_logit_reads(int64_t batch, int64_t k, int64_t vocab
   struct Rule { const char* name; fsd::Rule rule; bool divergences; };
   const Rule rules[] = {{"fsd/js", fsd::Rule::FSD, false}, {"sd", fsd::Rule::SD, false},
                         {"fsd/js +divergences", fsd::Rule::FSD, true}, {"fsd_strict/js", fsd::Rule::FSDStrict, true}};
-  struct Path { const char* name; const char* env; const char* value; };
-  const Path paths[] = {{"planner", nullptr, nullptr}, {"whole rows", "FSD_EXT_CUDA_SPLITS", "1"},
-                        {"staged clusters", "FSD_EXT_CUDA_STAGED", "1"}, {"unstaged clusters", "FSD_EXT_CUDA_CLUSTER", "1"}};
+  struct Path { const char* name; int64_t splits; bool cluster; };
+  const Path paths[] = {{"planner", 0, false}, {"whole rows", 1, false}, {"clusters", 0, true}};
   std::vector<ReadCount> counts;
   for (const Rule& r : rules) {
     bind_accept_problem(c, batch, k, false, false);
@@ -768,7 +760,8 @@ std::vector<ReadCount> count_logit_reads(int64_t batch, int64_t k, int64_t vocab
     fsd::AcceptProblem q = run_on_cpu(c, cpu, gpu);
     for (const Path& path : paths) {
       default_launch(device);
-      if (path.env) set_env(path.env, path.value);
+      launch_options.splits = path.splits;
+      launch_options.cluster = path.cluster;
       sim::watch_reads({{c.target.data(), target_bytes}, {c.draft.data(), draft_bytes}});
       CHECK(launch_accept_on(q, 0x3C), "read count: launch failed");
       CHECK(gpu.tokens == cpu.tokens && gpu.accepted == cpu.accepted, "read count %s, %s: tokens differ from the CPU's",
@@ -793,27 +786,19 @@ void print_read_counts(const std::vector<ReadCount>& counts) {
 }
 
 // Checks of the counts at a small shape: the statistics launch of the split path reads every logit
-// exactly once, and the staged clusters read them once in all but for the row finish's scan of
-// one chunk per row (target and draft rows, <= 2 chunks of the row's 2K + 1) and the coins' two
-// logits per draft.
+// exactly once.
 void check_logit_reads() {
   const int64_t batch = 8, k = 5, vocab = 65536;  // device 1 (16 SMs): 48 rows fill it, 4 chunks of 16384
   const std::vector<ReadCount> counts = count_logit_reads(batch, k, vocab, 1);
   std::printf("logit reads, B %ld K %ld V %ld bf16 (the benchmark's inputs), in logits' sizes:\n", (long)batch, (long)k,
               (long)vocab);
   print_read_counts(counts);
-  // Both paths cut these rows into chunks of 16384 ids (the staged planner: the smallest cluster
-  // whose chunks of both rows fit its shared-memory budget).
-  const double row_share = 1.0 / (2 * k + 1), chunk_share = row_share * 16384.0 / vocab;
   for (const ReadCount& n : counts) {
     if (std::strcmp(n.path, "planner") == 0) {
       CHECK(n.launches == 2, "read count %s: the planner did not split (%ld launches)", n.rule_name, (long)n.launches);
       CHECK(n.first_launch == 1.0, "read count %s: the statistics launch read %.6fx the logits", n.rule_name,
             n.first_launch);
     }
-    if (std::strcmp(n.path, "staged clusters") == 0)
-      CHECK(n.total >= 1.0 && n.total <= 1.0 + 2 * chunk_share + 1e-3, "read count %s: staged clusters read %.6fx",
-            n.rule_name, n.total);
     CHECK(n.total >= 1.0 && n.total <= 3.0, "read count %s, %s: %.6fx", n.rule_name, n.path, n.total);
   }
 }
@@ -827,7 +812,7 @@ void check_logit_reads() {
 int sampling_parity(int64_t vocab, int64_t rows, float scale) {
   Rng rng(5);
   default_launch(2);
-  if (const char* splits = std::getenv("FSD_SIM_PARITY_SPLITS")) set_env("FSD_EXT_CUDA_SPLITS", splits);
+  if (const char* splits = std::getenv("FSD_SIM_PARITY_SPLITS")) launch_options.splits = std::atoll(splits);
   SampleCase s;
   s.logits.dtype = DType::Float32;
   s.logits.rows = rows;
@@ -979,7 +964,9 @@ int main(int argc, char** argv) {
     for (const fsd::Rule rule : {fsd::Rule::SD, fsd::Rule::FSD})
       for (const LaunchPath& path : kLaunchPaths) {
         default_launch(path.device);
-        if (path.launcher_switch) set_env(path.launcher_switch, "1");
+        launch_options.dependent_launch = path.pdl;
+        launch_options.reverse_decide = path.reverse;
+        launch_options.cluster = path.cluster;
         sim::order = (sim::Order)(n % 3);
         AcceptCase c;
         separated_accept_case(rng, c, 8, 3, 9001, dtype, rule);

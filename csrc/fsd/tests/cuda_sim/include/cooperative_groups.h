@@ -1,5 +1,5 @@
 // CPU simulation (see cuda_runtime.h here) of the cooperative-groups calls fsd-ext's kernels make:
-// coalesced_threads / labeled_partition / reduce in add_to_bin (device.cuh). Here every group is the
+// coalesced_threads / labeled_partition / reduce in add_to_bin (radix_select.cuh). Here every group is the
 // calling thread alone, one of the partitions the CUDA model allows (lanes that diverged each form
 // their own coalesced group), so a group's reduction is the thread's own value. this_cluster().sync()
 // is the simulation's cluster barrier (a block barrier outside a cluster launch: a cluster of one).

@@ -55,7 +55,7 @@
 #define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 // Per OS thread, so that the blocks of a cluster, which run at once on threads of their own, each
-// have their own (`extern __shared__` arrays: defined by the program, kernels.cpp).
+// have their own (an `extern __shared__` array must be defined thread_local by the program).
 #define __shared__ thread_local
 
 // ---------------------------------------------------------------------------------------------
@@ -143,7 +143,7 @@ inline void trace_point(uint32_t tag) {
   if (threadIdx.x == 0 && tag < (uint32_t)kTracePoints) trace_points[tag].fetch_add(1, std::memory_order_relaxed);
 }
 
-// Bytes the kernels read from the buffers a test watches (the logits), through device.cuh's load
+// Bytes the kernels read from the buffers a test watches (the logits), through loads.cuh's load
 // helpers (FSD_SIM_READ), in all and per launch (reads_per_launch: one entry per launch since the
 // last watch_reads), so a test can see how many times a launch path reads the logits. The ranges
 // are set between launches and only read during them; the counters are atomics (a cluster's
