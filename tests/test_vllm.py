@@ -167,14 +167,14 @@ def pair(tmp_path_factory):
                                  target_model=target, draft_model=draft, tokenizer=tokenizer)
 
 
-def make_llm(pair, fsd=None, draft_sample_method="probabilistic", **kwargs):
+def make_llm(pair, fsd=None, draft_sample_method="probabilistic", speculative=None, **kwargs):
     from vllm import LLM
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process: the counters are readable
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the default takes most of the RAM
     plugin.register()  # vLLM calls it too when fsd-ext is installed; twice is a no-op
     speculative = {"method": "draft_model", "model": pair.draft, "num_speculative_tokens": K,
-                   "draft_sample_method": draft_sample_method}
+                   "draft_sample_method": draft_sample_method, **(speculative or {})}
     return LLM(model=pair.target, dtype="float32", max_model_len=256, enforce_eager=True, max_num_seqs=8,
                seed=0, speculative_config=speculative,
                additional_config={} if fsd is None else {"fsd": fsd}, **kwargs)
@@ -297,4 +297,22 @@ def test_greedy_draft_sampling_falls_back_with_a_warning(pair, caplog):
     assert stats["fsd_steps"] == 0 and stats["fallback_steps"] > 0
     for prompt, got in zip(PROMPTS[:2], tokens):
         assert got == hf_greedy(pair.target_model, pair.tokenizer(prompt)["input_ids"], len(got))
+    del llm
+
+
+def test_tensor_parallel_2(pair):
+    """TP=2 (two worker processes, gloo on the CPU): they load the plug-in through its entry point."""
+    from importlib.metadata import entry_points
+
+    if not any(ep.value == "fsd_ext.vllm:register" for ep in entry_points(group="vllm.general_plugins")):
+        pytest.skip("fsd-ext is not installed in this environment: the workers would not load the plug-in")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # (auto binds rank N to NUMA node N)
+    llm = make_llm(pair, fsd={"rule": "fsd", "divergence": "js", "threshold": 0.0},
+                   speculative={"draft_tensor_parallel_size": 2}, tensor_parallel_size=2,
+                   distributed_executor_backend="mp")
+    prompt = PROMPTS[1]
+    ids = pair.tokenizer(prompt)["input_ids"]
+    tokens, _ = generate(llm, [prompt] * 2, [greedy(), greedy(fsd_threshold=math.inf)])
+    assert tokens[0] == hf_greedy(pair.target_model, ids, len(tokens[0]))
+    assert tokens[1] == hf_draft_continuation(pair, ids, len(tokens[1]))
     del llm
