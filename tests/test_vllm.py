@@ -92,6 +92,23 @@ def test_fsd_verify_ragged_batch_and_bonus():
     assert tokens.tolist() == [[1, 2, 7, -1], [6, -1, -1, -1], [3, 4, 5, 0]]
 
 
+def test_fsd_verify_mixed_batch():
+    """Row 0 is a greedy request (temperature 0 in vLLM): its draft is not the target's argmax, so SD
+    rejects it and emits the argmax. Row 1 is sampled, with T = inf: it keeps its draft."""
+    vocab = 8
+    target = torch.full((2, vocab), -5.0)
+    target[:, 6] = 5.0
+    draft_probs = torch.full((2, vocab), 0.02)
+    draft_probs[:, 2] = 0.86
+    drafts = torch.tensor([2, 2], dtype=torch.int32)
+    metadata = types.SimpleNamespace(all_greedy=False, all_random=False, generators={},
+                                     temperature=torch.tensor([0.0, 0.7]))
+    tokens, valid = plugin.fsd_verify(plugin.FsdConfig(rule="fsd"), drafts, [1, 1], 1, draft_probs,
+                                      target, torch.tensor([[1], [3]]), metadata,
+                                      torch.tensor([0.0, math.inf]))
+    assert valid.all() and tokens.tolist() == [[6, -1], [2, 3]]
+
+
 def test_fsd_verify_padded_draft_stops_the_row():
     """vLLM pads a draft it gave up on with -1: the row stops there with a sample of the target."""
     vocab = 8
@@ -295,6 +312,7 @@ def test_greedy_draft_sampling_falls_back_with_a_warning(pair, caplog):
     llm = make_llm(pair, fsd={"threshold": 0.5}, draft_sample_method="greedy")
     tokens, stats = generate(llm, PROMPTS[:2], greedy(max_tokens=12))
     assert stats["fsd_steps"] == 0 and stats["fallback_steps"] > 0
+    assert "draft_sample_method='probabilistic'" in caplog.text
     for prompt, got in zip(PROMPTS[:2], tokens):
         assert got == hf_greedy(pair.target_model, pair.tokenizer(prompt)["input_ids"], len(got))
     del llm
