@@ -126,12 +126,13 @@ def register() -> None:
     if _registered:
         return
     import vllm
+
+    check_vllm_version(vllm.__version__)  # before the internals: their modules move between releases
     from vllm.sampling_params import SamplingParams
     from vllm.v1.sample import rejection_sampler
     from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    check_vllm_version(vllm.__version__)
     params = tuple(inspect.signature(rejection_sampler.rejection_sample).parameters)
     if params != _REJECTION_SAMPLE_PARAMS:
         raise RuntimeError(f"fsd_ext.vllm: vLLM {vllm.__version__}'s rejection_sample takes {params}, "
@@ -147,7 +148,7 @@ def register() -> None:
     rejection_sampler.rejection_sample = _rejection_sample
     SpecDecodeBaseProposer._sample_draft_tokens = _sample_draft_tokens
     SamplingParams._verify_extra_args = _verify_extra_args
-    _patch_cpu_expand(rejection_sampler)
+    _patch_cpu_bugs(rejection_sampler)
     _registered = True
 
 
@@ -157,7 +158,6 @@ def register() -> None:
 @dataclass
 class _EngineState:
     config: FsdConfig
-    draft_sample_method: str
 
 
 _step: Optional[tuple] = None  # (state, thresholds [B]) while a verification step of an FSD engine runs
@@ -180,7 +180,8 @@ def _runner_init(self, vllm_config, *args, **kwargs):
         _warn_once("sample_method", "fsd_ext.vllm: vLLM keeps the draft's distributions only with "
                    "speculative_config draft_sample_method='probabilistic' (and rejection_sample_method="
                    "'standard'); without them FSD cannot run and every step keeps vLLM's own rule")
-    self._fsd = _EngineState(config, spec.draft_sample_method)
+    # (set even without the draft's distributions: its steps then go through the counted fallback)
+    self._fsd = _EngineState(config)
 
 
 def _runner_sample(self, logits, spec_decode_metadata):
@@ -320,7 +321,7 @@ def fsd_verify(config: FsdConfig, draft_token_ids, num_draft_tokens, max_spec_le
     return tokens.to(torch.int32), result.valid
 
 
-def _patch_cpu_expand(rejection_sampler) -> None:
+def _patch_cpu_bugs(rejection_sampler) -> None:
     """Two bugs of vLLM's sampled speculative path on a CPU without Triton, patched only there:
 
     - vLLM issue 55005 (open; fix in PR 55006): the C++ stand-in for expand_kernel writes an int64

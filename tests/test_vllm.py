@@ -134,7 +134,7 @@ def test_invalid_row_takes_vllms_rule():
     draft_probs = torch.full((4, vocab), 1.0 / vocab)
     drafts = torch.tensor([3, 3, 1, 1], dtype=torch.int32)
     bonus = torch.tensor([[4], [5]])
-    state = plugin._EngineState(plugin.FsdConfig(rule="sd"), "probabilistic")
+    state = plugin._EngineState(plugin.FsdConfig(rule="sd"))
     plugin._step = (state, torch.zeros(2))
     try:
         tokens = plugin._rejection_sample(drafts, [2, 2], 2, torch.tensor([2, 4], dtype=torch.int32),
