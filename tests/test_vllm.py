@@ -33,6 +33,18 @@ def test_version_range():
             plugin.check_vllm_version(version)
 
 
+def test_registration_refuses_an_unsupported_vllm():
+    import subprocess
+    import sys
+
+    code = ("import vllm; vllm.__version__ = '0.33.0'\n"
+            "from fsd_ext import vllm as plugin; plugin.register()")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode != 0
+    assert "RuntimeError: fsd_ext.vllm supports vLLM >= 0.32.0, < 0.33.0" in run.stderr
+
+
 def test_config_parsing():
     assert plugin.FsdConfig.from_additional_config({}) is None
     assert plugin.FsdConfig.from_additional_config({"fsd": True}) == plugin.FsdConfig()
