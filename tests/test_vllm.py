@@ -259,6 +259,11 @@ def hf_draft_continuation(pair, ids, n):
     return out[:n]
 
 
+def test_malformed_fsd_config_stops_the_engine(pair):
+    with pytest.raises(Exception, match=r'additional_config\["fsd"\]\["rule"\] must be one of'):
+        make_llm(pair, fsd={"rule": "typical"})
+
+
 def test_sd_at_temperature_0_equals_vllms_own(pair, vllm_llm, fsd_llm):
     own, own_stats = generate(vllm_llm, PROMPTS, greedy())
     ours, stats = generate(fsd_llm, PROMPTS, greedy())
