@@ -24,8 +24,6 @@ try:
 except ImportError as error:  # pragma: no cover - only without a build
     _IMPORT_ERROR = error
 
-_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_TOKEN_DTYPES = (torch.int32, torch.int64)
 RowArg = Union[float, torch.Tensor]
 SeedArg = Union[int, torch.Tensor, None]
 
