@@ -48,7 +48,7 @@ import torch
 
 from . import cuda_graphs, ops, reference
 from .kv_cache import StaticKVCache
-from .types import DIVERGENCES, PURPOSE_ACCEPT, RULES
+from .types import DIVERGENCES, DRAFT_LENGTHS, PURPOSE_ACCEPT, RULES
 
 # The two ops the loop uses: the compiled kernels, or the pure-torch reference with the same contract
 # when the extension is not built. Switching is this one line.
@@ -56,8 +56,6 @@ _accept, _sample = (ops.accept, ops.sample) if ops._IMPORT_ERROR is None else (r
                                                                                reference.sample)
 
 GENERATE_RULES = ("ar",) + RULES
-# How many of the num_draft_tokens drafts a row proposes each step (docs/generate.md, "Draft length").
-DRAFT_LENGTHS = ("fixed", "confidence", "heuristic", "acceptance")
 
 # The "acceptance" policy's running estimate of a row's per-draft acceptance rate: decayed counts of
 # accepted drafts over tested drafts, starting from a prior worth a few drafts at 0.75.

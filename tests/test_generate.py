@@ -1009,6 +1009,11 @@ def test_cli_parser():
                                           "hi", "--min-p", "0.05", "--div-temperature", "none"])
     kwargs = cli._generate_kwargs(args, args.rule)
     assert (kwargs["min_p"], kwargs["div_temperature"]) == (0.05, None)
+    assert (kwargs["draft_length"], kwargs["draft_confidence"]) == ("fixed", 0.4)
+    args = cli.build_parser().parse_args(["demo", "--draft-length", "heuristic"])
+    assert cli._generate_kwargs(args, "sd")["draft_length"] == "heuristic"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["demo", "--draft-length", "longest"])
     args = cli.build_parser().parse_args(["demo"])
     assert (args.target, args.draft, args.max_new_tokens) == ("qwen2.5-coder-1.5b",
                                                               "qwen2.5-coder-0.5b", 48)
