@@ -610,13 +610,14 @@ class _Decoder:
             generated.extend(new)
             stats.new_tokens += len(new)
             stats.verifications += 1
-            drafted = out.num_drafted[j] if out.num_drafted is not None else 0
-            stats.drafted_tokens += drafted
-            row = self.rows[j]
-            if s.draft_length == "heuristic":
-                self.row_k[row] = heuristic_draft_length(self.row_k[row], n, drafted, s.k)
-            elif s.draft_length == "acceptance":
-                self.row_acceptance[row] = _update_acceptance(self.row_acceptance[row], n, drafted)
+            if out.num_drafted is not None:  # (None for ar)
+                drafted, row = out.num_drafted[j], self.rows[j]
+                stats.drafted_tokens += drafted
+                if s.draft_length == "heuristic":
+                    self.row_k[row] = heuristic_draft_length(self.row_k[row], n, drafted, s.k)
+                elif s.draft_length == "acceptance":
+                    self.row_acceptance[row] = _update_acceptance(self.row_acceptance[row], n,
+                                                                  drafted)
             kept_drafts = min(n, len(new))  # accepted drafts past EOS / max_new_tokens are cut
             stats.accepted_drafts += kept_drafts
             if out.sd_rejects is not None:
