@@ -108,14 +108,15 @@ def test_greedy_matches_hf_generate_batch4_left_padded(target, draft, rule):
 @pytest.mark.parametrize("rule,temperature,draft_length", [
     ("greedy", 0.0, "fixed"), ("sd", 1.0, "fixed"), ("fsd", 0.8, "fixed"),
     # Rows stop drafting independently: a row's drafts must not depend on when the others stop.
-    ("fsd", 0.8, "confidence"), ("fsd", 0.8, "heuristic"), ("sd", 1.0, "acceptance")])
+    ("sd", 1.0, "confidence"), ("fsd", 0.8, "confidence"), ("sd", 1.0, "heuristic"),
+    ("sd", 1.0, "acceptance")])
 def test_batch_equals_single_rows(target, draft, rule, temperature, draft_length):
     lengths = [4, 10, 1, 7]
     ids, mask = random_prompts(lengths, seed=3)
     seeds = torch.tensor([11, 22, 33, 44])
     kwargs = dict(rule=rule, temperature=temperature, threshold=0.2, num_draft_tokens=4,
                   max_new_tokens=16, eos_token_id=[], draft_length=draft_length,
-                  draft_confidence=0.9)
+                  draft_confidence=0.05)  # the tiny draft's sampled tokens: most below 0.2
     batched = new_tokens(fsd_ext.generate(target, draft, ids, mask, seed=seeds, **kwargs), ids.shape[1])
     for row, length in enumerate(lengths):
         single = fsd_ext.generate(target, draft, ids[row:row + 1, -length:], seed=seeds[row:row + 1],
@@ -446,7 +447,7 @@ def test_graph_shaped_path_matches_eager_on_cpu(target, draft, monkeypatch, rule
     ids, mask = random_prompts([5, 12, 2], seed=40)
     seeds = torch.tensor([5, 6, 7])
     kwargs = dict(rule=rule, temperature=temperature, threshold=0.3, num_draft_tokens=3, max_new_tokens=14,
-                  seed=seeds, eos_token_id=[], draft_length=draft_length, draft_confidence=0.9)
+                  seed=seeds, eos_token_id=[], draft_length=draft_length, draft_confidence=0.05)
     eager = fsd_ext.generate(target, draft, ids, mask, **kwargs)
     graphed = generate_graph_shaped(monkeypatch, target, draft, ids, mask, **kwargs)
     assert graphed.sequences.tolist() == eager.sequences.tolist()
