@@ -14,6 +14,8 @@ from typing import List, Optional
 
 import torch
 
+from .types import DRAFT_LENGTHS
+
 DEMO_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively.",
     "Write a Python function that checks whether a string is a palindrome, ignoring case.",
@@ -74,7 +76,17 @@ def _float_or_none(text: str):
 def _add_sampling_args(parser, temperature: float):
     parser.add_argument("--divergence", default="js", choices=["kl", "rkl", "js", "tv", "mkl"])
     parser.add_argument("--threshold", type=float, default=0.3, help="FSD threshold T")
-    parser.add_argument("--num-draft-tokens", type=int, default=5, help="K drafts per target call")
+    parser.add_argument("--num-draft-tokens", type=int, default=5,
+                        help="K, the most drafts per target call")
+    parser.add_argument("--draft-length", default="fixed", choices=list(DRAFT_LENGTHS),
+                        help="drafts per row and step: fixed (K), confidence (stop below "
+                             "--draft-confidence), heuristic (+2 after a fully accepted step, -1 "
+                             "otherwise), acceptance (from the row's running acceptance and "
+                             "--draft-cost); docs/generate.md")
+    parser.add_argument("--draft-confidence", type=float, default=0.4,
+                        help="confidence: a row stops after a draft it gives less probability")
+    parser.add_argument("--draft-cost", type=float, default=0.25,
+                        help="acceptance: a draft forward's time over a target verification's")
     parser.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
@@ -105,7 +117,8 @@ def _generate_kwargs(args, rule: str) -> dict:
                 num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                 div_temperature=args.div_temperature, max_new_tokens=args.max_new_tokens,
-                seed=args.seed)
+                seed=args.seed, draft_length=args.draft_length,
+                draft_confidence=args.draft_confidence, draft_cost=args.draft_cost)
 
 
 def cmd_generate(args) -> int:
@@ -148,7 +161,8 @@ def cmd_demo(args) -> int:
         rows.append((rule, tokens / seconds, tokens / verifications, accepted / verifications))
     base = next((r[1] for r in rows if r[0] == "ar"), None)
     dtype = _describe_dtype(target)
-    print(f"\n{args.target} <- {args.draft}, K={args.num_draft_tokens}, T={args.threshold} "
+    print(f"\n{args.target} <- {args.draft}, K={args.num_draft_tokens} ({args.draft_length}), "
+          f"T={args.threshold} "
           f"({args.divergence}), temperature={args.temperature}, {len(prompts)} prompts x "
           f"{args.max_new_tokens} tokens, {args.device} {dtype}, "
           f"{torch.get_num_threads()} threads")

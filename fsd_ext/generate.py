@@ -3,12 +3,16 @@ any pair of Hugging Face causal LMs that share a tokenizer.
 
 One step of speculative decoding, per batch row (docs/design.md sections 2 and 8):
 
-    1. draft:  K one-token forwards of the draft model, each drawing d_i ~ q_i with fsd_ext.sample
-               (argmax under greedy); after a step where a row accepted all its drafts, the first
-               forward also re-reads the last committed token (see below). When fewer than K+1
-               tokens remain to max_new_tokens for every row, the step drafts only what can be kept.
-    2. verify: one forward of the target over [pending, d_0 .. d_{K-1}] -> logits for K+1 positions.
-    3. accept: one fsd_ext.accept call -> n accepted drafts plus one correction/bonus token.
+    1. draft:  up to K one-token forwards of the draft model, each drawing d_i ~ q_i with
+               fsd_ext.sample (argmax under greedy); after a step where a row accepted all its
+               drafts, the first forward also re-reads the last committed token (see below). Each
+               row proposes its own number of drafts (draft_length=, at most K, and no more than it
+               can keep before max_new_tokens); a row that has stopped rides along in the batch's
+               forwards, whose shapes stay fixed, and the step stops drafting once every row has.
+    2. verify: one forward of the target over [pending, d_0 .. d_{k-1}] -> logits for k+1 positions,
+               k being the step's draft forwards.
+    3. accept: one fsd_ext.accept call (each row's own draft count as num_draft) -> n accepted
+               drafts plus one correction/bonus token.
     4. commit: each row keeps pending + its n accepted drafts in the target cache by setting its
                length; the rejected positions are simply past that length (no prefix is re-run).
                The emitted token becomes the row's new `pending` token, which no model has seen yet.
@@ -44,7 +48,7 @@ import torch
 
 from . import cuda_graphs, ops, reference
 from .kv_cache import StaticKVCache
-from .types import DIVERGENCES, PURPOSE_ACCEPT, RULES
+from .types import DIVERGENCES, DRAFT_LENGTHS, PURPOSE_ACCEPT, RULES
 
 # The two ops the loop uses: the compiled kernels, or the pure-torch reference with the same contract
 # when the extension is not built. Switching is this one line.
@@ -52,6 +56,11 @@ _accept, _sample = (ops.accept, ops.sample) if ops._IMPORT_ERROR is None else (r
                                                                                reference.sample)
 
 GENERATE_RULES = ("ar",) + RULES
+
+# The "acceptance" policy's running estimate of a row's per-draft acceptance rate: decayed counts of
+# accepted drafts over tested drafts, starting from a prior worth a few drafts at 0.75.
+_ACCEPTANCE_PRIOR = (3.0, 4.0)  # (accepted, tested)
+_ACCEPTANCE_DECAY = 0.8  # per step: the estimate follows the last ~5 steps
 
 
 @dataclass
@@ -70,6 +79,7 @@ class GenerateStats:
     draft_forwards: int = 0
     draft_seconds: float = 0.0  # in the draft's forwards (on CUDA GPU time; captures not included)
     verifications: int = 0  # target verification calls x rows verified (row-steps)
+    drafted_tokens: int = 0  # drafts the rows proposed for verification, all row-steps together
     accepted_drafts: int = 0  # accepted drafts kept in the output (none past a row's end)
     # Kept accepted drafts that plain SD would have rejected (0 for sd by definition; None for ar):
     # greedy decoding, drafts that are not the target's argmax; sampling (only with
@@ -96,6 +106,12 @@ class GenerateStats:
         return self.accepted_drafts / self.verifications if self.verifications else 0.0
 
     @property
+    def mean_drafted(self) -> float:
+        """Mean drafts a row proposed per target call (K under draft_length="fixed", until rows
+        near max_new_tokens draft fewer)."""
+        return self.drafted_tokens / self.verifications if self.verifications else 0.0
+
+    @property
     def tokens_per_target_call(self) -> float:
         """Mean tokens a row gains per target call (mean_accepted + 1 until rows stop early)."""
         return self.new_tokens / self.verifications if self.verifications else 0.0
@@ -103,7 +119,7 @@ class GenerateStats:
     def summary(self) -> str:
         return (f"{self.rule}: {self.new_tokens} tokens in {self.seconds:.2f} s = "
                 f"{self.tokens_per_second:.2f} tokens/s, {self.tokens_per_target_call:.2f} tokens and "
-                f"{self.mean_accepted:.2f} accepted drafts per target call "
+                f"{self.mean_accepted:.2f} accepted of {self.mean_drafted:.2f} drafted per target call "
                 f"(target {self.target_forwards} calls {self.target_seconds:.2f} s, "
                 f"draft {self.draft_forwards} calls {self.draft_seconds:.2f} s"
                 + (f", graph captures {self.capture_seconds:.2f} s)" if self.capture_seconds else ")"))
@@ -252,9 +268,18 @@ def _as_ids(value, name: str) -> List[int]:
 
 
 def _check_args(target, draft, input_ids, attention_mask, rule, divergence, threshold,
-                num_draft_tokens, temperature, max_new_tokens, use_cuda_graphs, streamer):
+                num_draft_tokens, temperature, max_new_tokens, use_cuda_graphs, streamer,
+                draft_length="fixed", draft_confidence=0.4, draft_cost=0.25):
     if rule not in GENERATE_RULES:
         raise ValueError(f"rule must be one of {GENERATE_RULES}, got {rule!r}")
+    if draft_length not in DRAFT_LENGTHS:
+        raise ValueError(f"draft_length must be one of {DRAFT_LENGTHS}, got {draft_length!r}")
+    if isinstance(draft_confidence, bool) or not isinstance(draft_confidence, numbers.Real) \
+            or not 0.0 <= draft_confidence <= 1.0:
+        raise ValueError(f"draft_confidence must be a float in [0, 1], got {draft_confidence!r}")
+    if isinstance(draft_cost, bool) or not isinstance(draft_cost, numbers.Real) \
+            or not draft_cost > 0.0 or draft_cost == float("inf"):
+        raise ValueError(f"draft_cost must be a finite float > 0, got {draft_cost!r}")
     if divergence not in DIVERGENCES:
         raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1 \
@@ -336,6 +361,38 @@ def _row_seeds(seed, batch: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
+# Draft-length policies: how many drafts a row proposes in its next step.
+
+def heuristic_draft_length(k: int, num_accepted: int, num_drafted: int, max_k: int) -> int:
+    """draft_length="heuristic" (Hugging Face's assisted-generation schedule): a row's K grows by 2
+    after a step that accepted every draft it proposed and shrinks by 1 otherwise, within [1, max_k]."""
+    return min(max_k, k + 2) if num_accepted >= num_drafted else max(1, k - 1)
+
+
+def acceptance_draft_length(rate: float, max_k: int, draft_cost: float) -> int:
+    """draft_length="acceptance": the K in [1, max_k] that maximises a row's expected tokens per
+    unit of time when each draft is accepted with probability `rate` until the first rejection:
+    (1 + rate + ... + rate^K) tokens for (1 + draft_cost * K) target-verification times. The
+    smallest such K on ties."""
+    best_k, best_value, expected_tokens, power = 1, -1.0, 1.0, 1.0
+    for k in range(1, max_k + 1):
+        power *= rate
+        expected_tokens += power
+        value = expected_tokens / (1.0 + draft_cost * k)
+        if value > best_value + 1e-12:
+            best_k, best_value = k, value
+    return best_k
+
+
+def _update_acceptance(counts, num_accepted: int, num_drafted: int):
+    """A row's decayed (accepted, tested) draft counts after a step. A rejection tests one draft
+    more than were accepted; drafts after it are never tested, so they do not count."""
+    accepted, tested = counts
+    tested_now = num_accepted + (1 if num_accepted < num_drafted else 0)
+    return (_ACCEPTANCE_DECAY * accepted + num_accepted, _ACCEPTANCE_DECAY * tested + tested_now)
+
+
+# ----------------------------------------------------------------------------------------------
 # The loop.
 
 @dataclass
@@ -351,6 +408,9 @@ class _Settings:
     eos_ids: List[int]
     output_divergences: bool
     draft_vocab: int  # ids >= this are replaced by 0 before the draft reads them (0: no draft)
+    draft_length: str = "fixed"  # one of DRAFT_LENGTHS
+    draft_confidence: float = 0.4  # "confidence": a row stops below this draft probability
+    draft_cost: float = 0.25  # "acceptance": a draft forward's time over a verification's
 
     @property
     def speculative(self) -> bool:
@@ -377,7 +437,8 @@ class _StepOutput:
 
     tokens: torch.Tensor  # [B, k_step + 1] accepted drafts, then the correction/bonus token, then -1
     num_accepted: torch.Tensor  # [B]
-    k_step: int = 0  # drafts this step (0 for ar)
+    k_step: int = 0  # draft forwards this step (0 for ar)
+    num_drafted: Optional[List[int]] = None  # [B]: drafts each slot proposed (<= k_step)
     sd_rejects: Optional[List[List[bool]]] = None  # [B][k_step]: drafts plain SD would reject
 
 
@@ -408,6 +469,9 @@ class _Decoder:
         self.generated: List[List[int]] = [[] for _ in self.rows]
         self.step = 0
         self.draft_behind = False  # some row accepted all its drafts last step (see module doc)
+        # Per original row: its next K under "heuristic"; its acceptance counts under "acceptance".
+        self.row_k = [settings.k] * len(self.rows)
+        self.row_acceptance = [_ACCEPTANCE_PRIOR] * len(self.rows)
 
     def run(self) -> List[List[int]]:
         """Step until every row has stopped -> each row's generated tokens."""
@@ -436,15 +500,16 @@ class _Decoder:
         """Draft, verify, accept (module doc, steps 1-3); commits the accepted prefix to the target's
         cache."""
         s = self.settings
-        # Near max_new_tokens, draft only what the neediest row can still keep (>= 1 draft). Row b
-        # uses num_draft[b] of them (its own cap), so its tokens do not depend on the other rows.
-        row_caps = [max(1, min(s.k, s.max_new_tokens - len(self.generated[row]) - 1))
+        # Each row's most drafts: its policy's K, and near max_new_tokens only what it can still
+        # keep (>= 1). Row b uses num_draft[b] of the step's drafts, so its tokens do not depend on
+        # the other rows; the batch drafts until every live row has stopped.
+        row_caps = [max(1, min(self._policy_k(row), s.max_new_tokens - len(self.generated[row]) - 1))
                     for row in self.rows]
-        k_step = max(cap for cap, live in zip(row_caps, self.live) if live)
-        row_caps = [cap if live else k_step for cap, live in zip(row_caps, self.live)]  # parked: any
-        num_draft = (torch.tensor(row_caps, dtype=torch.int64, device=self.device)
-                     if min(row_caps) < k_step else None)  # [B] or None (all k_step)
-        draft_logits, drafts = self._draft(k_step)  # [B, k_step, V_d], [B, k_step]
+        draft_logits, drafts, row_drafted = self._draft(row_caps)  # [B, k_step, V_d], [B, k_step]
+        k_step = drafts.shape[1]
+        row_drafted = [n if live else k_step for n, live in zip(row_drafted, self.live)]  # parked: any
+        num_draft = (torch.tensor(row_drafted, dtype=torch.int64, device=self.device)
+                     if min(row_drafted) < k_step else None)  # [B] or None (all k_step)
 
         # Verify: the target reads pending and the drafts in one forward; accept: one fused call.
         verify_input = torch.cat([self.pending[:, None], drafts], 1)  # [B, k_step+1]
@@ -456,7 +521,8 @@ class _Decoder:
         if bad:
             raise RuntimeError(f"the target or draft logits of row(s) {bad} hold NaN or no finite "
                                f"value at step {self.step}")
-        out = _StepOutput(result.tokens.to(self.device), result.num_accepted.to(self.device), k_step)
+        out = _StepOutput(result.tokens.to(self.device), result.num_accepted.to(self.device), k_step,
+                          num_drafted=row_drafted)
         if s.output_divergences:
             live_slots = [j for j, live in enumerate(self.live) if live]
             self.stats.divergences.append(result.divergence.cpu()[live_slots])  # [B_live, K]
@@ -474,8 +540,21 @@ class _Decoder:
         self.last_committed = torch.where(out.num_accepted > 0, last_accepted, self.pending)
         return out
 
-    def _draft(self, k_step: int):
-        """k_step one-token draft forwards -> (logits [B, k_step, V_d] float32, drafts [B, k_step]).
+    def _policy_k(self, row: int) -> int:
+        """The most drafts original row `row` proposes this step under the draft-length policy."""
+        s = self.settings
+        if s.draft_length == "heuristic":
+            return self.row_k[row]
+        if s.draft_length == "acceptance":
+            accepted, tested = self.row_acceptance[row]
+            return acceptance_draft_length(accepted / tested, s.k, s.draft_cost)
+        return s.k  # fixed; confidence stops a row while it drafts
+
+    def _draft(self, row_caps: List[int]):
+        """One-token draft forwards until every live row has drafted its cap or (draft_length=
+        "confidence") a draft below the confidence threshold -> (logits [B, k_step, V_d] float32,
+        drafts [B, k_step], drafts per slot [B] ints). A row that has stopped still rides along in
+        the batch's forwards (its later drafts go unused), so every forward has the same shape.
         The first forward also re-reads the last committed token when the draft is one behind."""
         s, draft_model = self.settings, self.draft_model
         if self.draft_behind:
@@ -484,8 +563,10 @@ class _Decoder:
         else:
             draft_model.cache.lengths.copy_(self.target_model.cache.lengths)
             draft_input = self.pending[:, None]  # [B, 1]
+        k_max = max(cap for cap, live in zip(row_caps, self.live) if live)
+        drafted = [None if live else 0 for live in self.live]  # None: still drafting
         draft_logits, drafts = [], []
-        for i in range(k_step):
+        for i in range(k_max):
             logits = draft_model(s.for_draft(draft_input), keep=1)[:, 0].float()  # [B, V_d]
             draft_model.cache.lengths += draft_input.shape[1]
             token = _sample(logits, s.temperature, **s.sample_args, seed=self.seeds,
@@ -496,7 +577,22 @@ class _Decoder:
             draft_logits.append(logits)
             drafts.append(token)
             draft_input = token[:, None]  # [B, 1]
-        return torch.stack(draft_logits, 1), torch.stack(drafts, 1)
+            low = (self._draft_confidence(logits, token) < s.draft_confidence).tolist() \
+                if s.draft_length == "confidence" else [False] * len(self.rows)  # [B] (a host sync)
+            for j, cap in enumerate(row_caps):
+                if drafted[j] is None and (i + 1 >= cap or low[j]):
+                    drafted[j] = i + 1  # the low-confidence draft itself is still verified
+            if all(n is not None for n in drafted):
+                break
+        return torch.stack(draft_logits, 1), torch.stack(drafts, 1), drafted
+
+    def _draft_confidence(self, logits: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """[B] the draft's probability of its own token: softmax(logits / temperature) when sampling
+        (before top-k/top-p/min-p, which can only raise it), softmax(logits) under greedy (the
+        one-hot argmax distribution would always give 1)."""
+        temperature = self.settings.temperature
+        scaled = logits / temperature if temperature > 0 else logits  # [B, V_d]
+        return torch.softmax(scaled, -1).gather(-1, token[:, None])[:, 0]
 
     def _record(self, out: _StepOutput) -> None:
         """Host bookkeeping: append each live row's new tokens (cut at EOS and max_new_tokens),
@@ -514,6 +610,14 @@ class _Decoder:
             generated.extend(new)
             stats.new_tokens += len(new)
             stats.verifications += 1
+            if out.num_drafted is not None:  # (None for ar)
+                drafted, row = out.num_drafted[j], self.rows[j]
+                stats.drafted_tokens += drafted
+                if s.draft_length == "heuristic":
+                    self.row_k[row] = heuristic_draft_length(self.row_k[row], n, drafted, s.k)
+                elif s.draft_length == "acceptance":
+                    self.row_acceptance[row] = _update_acceptance(self.row_acceptance[row], n,
+                                                                  drafted)
             kept_drafts = min(n, len(new))  # accepted drafts past EOS / max_new_tokens are cut
             stats.accepted_drafts += kept_drafts
             if out.sd_rejects is not None:
@@ -558,7 +662,8 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
              min_p: Optional[float] = None, div_temperature: Optional[float] = 1.0,
              max_new_tokens: int = 256, eos_token_id: Union[int, Sequence[int], None] = None,
              pad_token_id: Optional[int] = None, seed=None, use_cuda_graphs="auto", streamer=None,
-             output_divergences: bool = False) -> GenerateOutput:
+             output_divergences: bool = False, draft_length: str = "fixed",
+             draft_confidence: float = 0.4, draft_cost: float = 0.25) -> GenerateOutput:
     """Generate with the target model, drafting with the draft model (docs/design.md section 8).
 
     Args:
@@ -567,7 +672,15 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         input_ids: [B, P] int prompts, left-padded; attention_mask: [B, P] 0/1 (None = no padding).
         rule: "ar" (target alone), "greedy", "sd", "fsd" (default) or "fsd_strict".
         divergence, threshold, div_temperature: the FSD test D_i < T (fsd, fsd_strict).
-        num_draft_tokens: K drafts per verification.
+        num_draft_tokens: K, the most drafts per verification (all of them under "fixed").
+        draft_length: how many of the K drafts each row proposes per step (docs/generate.md, "Draft
+            length"): "fixed" (K); "confidence" (a row stops after a draft whose draft
+            probability is below draft_confidence, Hugging Face's assistant_confidence_threshold);
+            "heuristic" (Hugging Face's schedule: a row's K grows by 2 after a fully accepted step,
+            shrinks by 1 otherwise); "acceptance" (a row's K maximises its expected tokens per unit
+            of time from its running acceptance rate and draft_cost, the time of a draft forward
+            over that of a target verification). Under greedy decoding with rule "greedy" or "sd"
+            every policy gives the same tokens; only the work differs.
         temperature, top_k, top_p, min_p: sampling of both models (temperature 0 = greedy; rule
             "greedy" forces it).
         max_new_tokens: per row; eos_token_id: int or ints (default: the target's generation
@@ -588,7 +701,8 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         >>> print(tokenizer.batch_decode(out.sequences), out.stats.summary())
     """
     _check_args(target, draft, input_ids, attention_mask, rule, divergence, threshold,
-                num_draft_tokens, temperature, max_new_tokens, use_cuda_graphs, streamer)
+                num_draft_tokens, temperature, max_new_tokens, use_cuda_graphs, streamer,
+                draft_length, draft_confidence, draft_cost)
     start = time.perf_counter()
     device = next(target.parameters()).device
     use_graphs = device.type == "cuda" if use_cuda_graphs == "auto" else bool(use_cuda_graphs)
@@ -596,7 +710,7 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         raise ValueError("use_cuda_graphs=True needs the models on a CUDA device")
     settings = _settings(target, draft, rule, divergence, num_draft_tokens, temperature, top_k,
                          top_p, min_p, div_temperature, max_new_tokens, eos_token_id,
-                         output_divergences)
+                         output_divergences, draft_length, draft_confidence, draft_cost)
     if pad_token_id is None:
         pad_token_id = getattr(target.generation_config, "pad_token_id", None)
         pad_token_id = pad_token_id if pad_token_id is not None else (
@@ -659,7 +773,8 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
 
 
 def _settings(target, draft, rule, divergence, num_draft_tokens, temperature, top_k, top_p, min_p,
-              div_temperature, max_new_tokens, eos_token_id, output_divergences) -> _Settings:
+              div_temperature, max_new_tokens, eos_token_id, output_divergences,
+              draft_length="fixed", draft_confidence=0.4, draft_cost=0.25) -> _Settings:
     speculative = rule != "ar"
     temperature = 0.0 if rule == "greedy" else float(temperature)
     sample_args = dict(top_k=top_k, top_p=top_p, min_p=min_p)
@@ -673,4 +788,6 @@ def _settings(target, draft, rule, divergence, num_draft_tokens, temperature, to
                          div_temperature=div_temperature, **sample_args,
                          return_divergence=output_divergences),
         max_new_tokens=int(max_new_tokens), eos_ids=eos_ids, output_divergences=output_divergences,
-        draft_vocab=draft_vocab if draft_vocab < _vocab_size(target) else 0)
+        draft_vocab=draft_vocab if draft_vocab < _vocab_size(target) else 0,
+        draft_length=draft_length, draft_confidence=float(draft_confidence),
+        draft_cost=float(draft_cost))

@@ -29,7 +29,7 @@ from transformers import GenerationConfig
 from transformers.generation import logits_process, stopping_criteria as criteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .generate import GENERATE_RULES
+from .generate import DRAFT_LENGTHS, GENERATE_RULES
 from .generate import generate as fsd_generate
 from .types import DIVERGENCES
 
@@ -94,6 +94,25 @@ def _num_draft_tokens(fsd_num_draft_tokens, generation_config: GenerationConfig)
     return k if k is not None and k != default else 5
 
 
+# transformers' num_assistant_tokens_schedule -> draft_length. "heuristic_transient" restarts K at each
+# generate call, which fsd_ext's per-row K does anyway.
+_SCHEDULES = {None: "fixed", "constant": "fixed", "heuristic": "heuristic",
+              "heuristic_transient": "heuristic"}
+
+
+def _draft_length(fsd_draft_length, generation_config: GenerationConfig) -> str:
+    """fsd_draft_length, else the one num_assistant_tokens_schedule names."""
+    if fsd_draft_length is not None:
+        if fsd_draft_length not in DRAFT_LENGTHS:
+            raise ValueError(f"fsd_draft_length must be one of {DRAFT_LENGTHS}, got {fsd_draft_length!r}")
+        return fsd_draft_length
+    schedule = getattr(generation_config, "num_assistant_tokens_schedule", None)
+    if schedule not in _SCHEDULES:
+        raise ValueError(f"num_assistant_tokens_schedule={schedule!r} is not supported: "
+                         f"'constant' or 'heuristic' (or fsd_draft_length=)")
+    return _SCHEDULES[schedule]
+
+
 def _check_request(model, input_ids, generation_config, stopping_criteria, model_kwargs,
                    draft_model, fsd_rule, fsd_divergence, fsd_threshold):
     """Raise ValueError for any part of the request fsd_ext.generate would not honour."""
@@ -147,7 +166,7 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
              streamer=None, *, draft_model=None, fsd_rule: str = "fsd", fsd_divergence: str = "js",
              fsd_threshold=0.3, fsd_num_draft_tokens: Optional[int] = None,
              fsd_div_temperature: Optional[float] = 1.0, fsd_seed=None, fsd_streamer=None,
-             **model_kwargs):
+             fsd_draft_length: Optional[str] = None, fsd_draft_cost: float = 0.25, **model_kwargs):
     """The loop transformers runs for `model.generate(..., custom_generate=fsd_ext.hf.generate)`.
 
     Not meant to be called directly: transformers passes `model` (the target), `input_ids` [B, P]
@@ -159,7 +178,12 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
         fsd_rule: "fsd" (default), "fsd_strict", "sd", "greedy" or "ar".
         fsd_divergence, fsd_threshold, fsd_div_temperature: the FSD test (fsd_ext.generate's
             divergence, threshold, div_temperature).
-        fsd_num_draft_tokens: K drafts per step (default: num_assistant_tokens if set, else 5).
+        fsd_num_draft_tokens: K, the most drafts per step (default: num_assistant_tokens if set,
+            else 5).
+        fsd_draft_length: fsd_ext.generate's draft_length, "fixed", "confidence", "heuristic" or
+            "acceptance" (default: num_assistant_tokens_schedule, "constant" -> "fixed",
+            "heuristic" -> "heuristic"); "confidence" stops a row's drafting below
+            assistant_confidence_threshold. fsd_draft_cost: draft_cost of "acceptance".
         fsd_seed: int or [B] ints for fsd_ext's Philox streams (default: drawn from torch's
             generator, so torch.manual_seed makes a run reproducible).
         fsd_streamer: a streamer (put/end; batch 1), since transformers keeps `streamer` from a
@@ -188,6 +212,8 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
     _check_request(model, input_ids, generation_config, stopping_criteria, model_kwargs,
                    draft_model, fsd_rule, fsd_divergence, fsd_threshold)
     sampling = _sampling_args(logits_processor, bool(generation_config.do_sample))
+    draft_length = _draft_length(fsd_draft_length, generation_config)
+    confidence = getattr(generation_config, "assistant_confidence_threshold", None)
     eos = generation_config.eos_token_id
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     pad = generation_config.pad_token_id
@@ -196,7 +222,8 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
         model, draft_model, input_ids, model_kwargs.get("attention_mask"), rule=fsd_rule,
         divergence=fsd_divergence, threshold=fsd_threshold,
         num_draft_tokens=_num_draft_tokens(fsd_num_draft_tokens, generation_config),
-        div_temperature=fsd_div_temperature, **sampling,
+        div_temperature=fsd_div_temperature, **sampling, draft_length=draft_length,
+        draft_confidence=0.4 if confidence is None else confidence, draft_cost=fsd_draft_cost,
         max_new_tokens=generation_config.max_length - input_ids.shape[1], eos_token_id=eos_ids,
         pad_token_id=pad, seed=fsd_seed, streamer=streamer)
     if generation_config.return_dict_in_generate:

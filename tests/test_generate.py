@@ -12,7 +12,8 @@ from torch.utils._pytree import tree_flatten
 
 import fsd_ext
 from fsd_ext import cuda_graphs
-from fsd_ext.generate import check_tokenizers
+from fsd_ext.generate import (_update_acceptance, acceptance_draft_length, check_tokenizers,
+                               heuristic_draft_length)
 from helpers import chi_square_pvalue
 
 transformers = pytest.importorskip("transformers")
@@ -104,13 +105,18 @@ def test_greedy_matches_hf_generate_batch4_left_padded(target, draft, rule):
     assert out.sequences.tolist() == expected.tolist()
 
 
-@pytest.mark.parametrize("rule,temperature", [("greedy", 0.0), ("sd", 1.0), ("fsd", 0.8)])
-def test_batch_equals_single_rows(target, draft, rule, temperature):
+@pytest.mark.parametrize("rule,temperature,draft_length", [
+    ("greedy", 0.0, "fixed"), ("sd", 1.0, "fixed"), ("fsd", 0.8, "fixed"),
+    # Rows stop drafting independently: a row's drafts must not depend on when the others stop.
+    ("sd", 1.0, "confidence"), ("fsd", 0.8, "confidence"), ("sd", 1.0, "heuristic"),
+    ("sd", 1.0, "acceptance")])
+def test_batch_equals_single_rows(target, draft, rule, temperature, draft_length):
     lengths = [4, 10, 1, 7]
     ids, mask = random_prompts(lengths, seed=3)
     seeds = torch.tensor([11, 22, 33, 44])
     kwargs = dict(rule=rule, temperature=temperature, threshold=0.2, num_draft_tokens=4,
-                  max_new_tokens=16, eos_token_id=[])
+                  max_new_tokens=16, eos_token_id=[], draft_length=draft_length,
+                  draft_confidence=0.05)  # the tiny draft's sampled tokens: most below 0.2
     batched = new_tokens(fsd_ext.generate(target, draft, ids, mask, seed=seeds, **kwargs), ids.shape[1])
     for row, length in enumerate(lengths):
         single = fsd_ext.generate(target, draft, ids[row:row + 1, -length:], seed=seeds[row:row + 1],
@@ -324,6 +330,10 @@ def test_stats_and_divergences(target, draft):
     assert stats.new_tokens == 20 and stats.tokens_per_second > 0
     assert sum(stats.accepted_histogram) == stats.verifications
     assert stats.draft_forwards == sum(d.shape[1] for d in stats.divergences) + 1  # + prefill
+    # fixed: every row-step drafts K = 3, except where max_new_tokens leaves room for fewer
+    assert stats.drafted_tokens == sum(d.shape[0] * d.shape[1] for d in stats.divergences)
+    assert stats.mean_drafted == stats.drafted_tokens / stats.verifications
+    assert "drafted" in stats.summary()
     assert stats.target_forwards == len(stats.divergences) + 1
     assert all(1 <= d.shape[1] <= 3 and (d >= 0).all() and (d <= 0.6932).all()
                for d in stats.divergences)
@@ -427,14 +437,17 @@ def generate_graph_shaped(monkeypatch, target, draft, ids, mask, replay=None, re
     return fsd_ext.generate(target, draft, ids, mask, **kwargs)
 
 
-@pytest.mark.parametrize("rule,temperature", [("ar", 0.0), ("greedy", 0.0), ("sd", 1.0), ("fsd", 0.8)])
-def test_graph_shaped_path_matches_eager_on_cpu(target, draft, monkeypatch, rule, temperature):
+@pytest.mark.parametrize("rule,temperature,draft_length", [
+    ("ar", 0.0, "fixed"), ("greedy", 0.0, "fixed"), ("sd", 1.0, "fixed"), ("fsd", 0.8, "fixed"),
+    ("fsd", 0.8, "confidence"), ("sd", 1.0, "heuristic")])
+def test_graph_shaped_path_matches_eager_on_cpu(target, draft, monkeypatch, rule, temperature,
+                                                draft_length):
     """With graphs on, every decode forward attends over the whole static cache (fixed shapes) and
     goes through a per-shape replay object; the tokens must not change."""
     ids, mask = random_prompts([5, 12, 2], seed=40)
     seeds = torch.tensor([5, 6, 7])
     kwargs = dict(rule=rule, temperature=temperature, threshold=0.3, num_draft_tokens=3, max_new_tokens=14,
-                  seed=seeds, eos_token_id=[])
+                  seed=seeds, eos_token_id=[], draft_length=draft_length, draft_confidence=0.05)
     eager = fsd_ext.generate(target, draft, ids, mask, **kwargs)
     graphed = generate_graph_shaped(monkeypatch, target, draft, ids, mask, **kwargs)
     assert graphed.sequences.tolist() == eager.sequences.tolist()
@@ -768,6 +781,72 @@ def test_nan_logits_raise_a_clear_error(target, draft, monkeypatch, poisoned_mod
 
 
 # ----------------------------------------------------------------------------------------------
+# Draft length: how many of the K drafts each row proposes.
+
+@pytest.mark.parametrize("draft_length", ["confidence", "heuristic", "acceptance"])
+@pytest.mark.parametrize("rule", ["greedy", "sd"])
+@pytest.mark.parametrize("lengths", [[9], [3, 11, 1, 6]])
+def test_every_draft_length_keeps_the_greedy_output(target, draft, draft_length, rule, lengths):
+    """Under greedy decoding the output is the target's argmax whatever was drafted: a policy may
+    change the work, never the tokens."""
+    ids, mask = random_prompts(lengths, seed=50)
+    kwargs = dict(rule=rule, temperature=0.0, num_draft_tokens=4, max_new_tokens=20, seed=0)
+    fixed = fsd_ext.generate(target, draft, ids, mask, **kwargs)
+    out = fsd_ext.generate(target, draft, ids, mask, draft_length=draft_length,
+                           draft_confidence=0.9, **kwargs)
+    assert out.sequences.tolist() == fixed.sequences.tolist()
+    assert fixed.stats.mean_drafted > 3.5  # K = 4 but for the last steps
+    assert out.stats.mean_drafted < fixed.stats.mean_drafted  # the policy did shorten some steps
+
+
+def test_confidence_one_drafts_fewer_and_zero_drafts_all(target, draft):
+    ids, mask = random_prompts([5, 8, 2], seed=51)
+    kwargs = dict(rule="sd", temperature=0.0, num_draft_tokens=4, max_new_tokens=16, seed=0)
+    fixed = fsd_ext.generate(target, draft, ids, mask, **kwargs)
+    stops = fsd_ext.generate(target, draft, ids, mask, draft_length="confidence",
+                             draft_confidence=1.0, **kwargs)  # every draft is below 1: one each
+    assert stops.sequences.tolist() == fixed.sequences.tolist()
+    assert stops.stats.drafted_tokens == stops.stats.verifications < fixed.stats.drafted_tokens
+    # One draft forward per step after the prefill: the step stops as soon as every row has.
+    assert stops.stats.draft_forwards == stops.stats.target_forwards < fixed.stats.draft_forwards
+    never = fsd_ext.generate(target, draft, ids, mask, draft_length="confidence",
+                             draft_confidence=0.0, **kwargs)
+    assert never.sequences.tolist() == fixed.sequences.tolist()
+    assert (never.stats.drafted_tokens, never.stats.draft_forwards) == \
+        (fixed.stats.drafted_tokens, fixed.stats.draft_forwards)
+
+
+def test_heuristic_schedule_on_a_fake_sequence():
+    """Hugging Face's schedule: +2 after a step that accepted all its drafts, -1 otherwise, kept
+    within [1, max_k]."""
+    k, ks = 5, []
+    for accepted_all in [True, False, False, True, True, True, False, False, False, False, False,
+                         False, True]:
+        k = heuristic_draft_length(k, num_accepted=k if accepted_all else k - 1, num_drafted=k,
+                                   max_k=8)
+        ks.append(k)
+    assert ks == [7, 6, 5, 7, 8, 8, 7, 6, 5, 4, 3, 2, 4]
+    assert heuristic_draft_length(1, 0, 1, max_k=8) == 1
+    assert heuristic_draft_length(3, 0, 3, max_k=8) == 2
+
+
+def test_acceptance_length_follows_the_rate_and_the_cost():
+    assert acceptance_draft_length(0.0, 8, 0.25) == 1  # nothing accepted: draft the least
+    assert acceptance_draft_length(1.0, 8, 0.01) == 8  # all accepted, drafts cheap: the most
+    lengths = [acceptance_draft_length(rate, 8, 0.25) for rate in (0.2, 0.5, 0.7, 0.8, 0.9, 0.95)]
+    assert lengths == sorted(lengths) and lengths[0] < lengths[-1]
+    # E[tokens](K) / (1 + cost K) at rate 0.8, cost 0.25, by hand: K=1 1.44, 2 1.627, 3 1.686,
+    # 4 1.681 -> 3.
+    assert acceptance_draft_length(0.8, 8, 0.25) == 3
+    assert acceptance_draft_length(0.8, 8, 1.0) == 1  # a draft as dear as a verification
+    # A rejection tests one draft more than were accepted; a fully accepted step tests them all.
+    accepted, tested = _update_acceptance((0.0, 0.0), num_accepted=2, num_drafted=4)
+    assert (accepted, tested) == (2.0, 3.0)
+    accepted, tested = _update_acceptance((accepted, tested), num_accepted=4, num_drafted=4)
+    assert (accepted, tested) == pytest.approx((0.8 * 2 + 4, 0.8 * 3 + 4))
+
+
+# ----------------------------------------------------------------------------------------------
 # Bad arguments.
 
 @pytest.mark.parametrize("kwargs,error", [
@@ -782,6 +861,12 @@ def test_nan_logits_raise_a_clear_error(target, draft, monkeypatch, poisoned_mod
     (dict(top_p=1.5), ValueError),
     (dict(seed=[1, 2, 3]), ValueError),
     (dict(seed="x"), ValueError),
+    (dict(draft_length="dynamic"), ValueError),
+    (dict(draft_length="confidence", draft_confidence=1.5), ValueError),
+    (dict(draft_confidence=-0.1), ValueError),
+    (dict(draft_confidence="high"), ValueError),
+    (dict(draft_length="acceptance", draft_cost=0.0), ValueError),
+    (dict(draft_cost=float("inf")), ValueError),
 ])
 def test_bad_arguments_raise(target, draft, kwargs, error):
     if kwargs.get("use_cuda_graphs") is True and torch.cuda.is_available():
@@ -925,6 +1010,11 @@ def test_cli_parser():
                                           "hi", "--min-p", "0.05", "--div-temperature", "none"])
     kwargs = cli._generate_kwargs(args, args.rule)
     assert (kwargs["min_p"], kwargs["div_temperature"]) == (0.05, None)
+    assert (kwargs["draft_length"], kwargs["draft_confidence"]) == ("fixed", 0.4)
+    args = cli.build_parser().parse_args(["demo", "--draft-length", "heuristic"])
+    assert cli._generate_kwargs(args, "sd")["draft_length"] == "heuristic"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["demo", "--draft-length", "longest"])
     args = cli.build_parser().parse_args(["demo"])
     assert (args.target, args.draft, args.max_new_tokens) == ("qwen2.5-coder-1.5b",
                                                               "qwen2.5-coder-0.5b", 48)

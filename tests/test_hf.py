@@ -164,6 +164,36 @@ def test_options_reach_fsd_ext_generate(target, draft, monkeypatch):
     seen.clear()
     fsd_hf(target, draft, ids, mask, max_new_tokens=4)  # transformers' own default of 20: not K
     assert seen["num_draft_tokens"] == 5
+    assert (seen["draft_length"], seen["draft_confidence"]) == ("fixed", 0.4)
+
+
+def test_assistant_schedule_and_confidence_map_to_draft_length(target, draft, monkeypatch):
+    seen = {}
+
+    def fake_generate(target_model, draft_model, input_ids, attention_mask, **kwargs):
+        seen.update(kwargs)
+        return fsd_ext.GenerateOutput(input_ids, None)
+
+    monkeypatch.setattr(fsd_ext.hf, "fsd_generate", fake_generate)
+    ids, mask = prompts([4], seed=8)
+    fsd_hf(target, draft, ids, mask, max_new_tokens=4, num_assistant_tokens_schedule="heuristic")
+    assert seen["draft_length"] == "heuristic"
+    fsd_hf(target, draft, ids, mask, max_new_tokens=4, num_assistant_tokens_schedule="constant")
+    assert seen["draft_length"] == "fixed"
+    fsd_hf(target, draft, ids, mask, max_new_tokens=4, fsd_draft_length="confidence",
+           assistant_confidence_threshold=0.7, fsd_draft_cost=0.5)
+    assert (seen["draft_length"], seen["draft_confidence"], seen["draft_cost"]) == \
+        ("confidence", 0.7, 0.5)
+    with pytest.raises(ValueError, match="fsd_draft_length"):
+        fsd_hf(target, draft, ids, mask, max_new_tokens=4, fsd_draft_length="adaptive")
+
+
+def test_heuristic_schedule_keeps_the_greedy_output(target, draft):
+    ids, mask = prompts([5, 9], seed=9)
+    kwargs = dict(do_sample=False, max_new_tokens=12, fsd_rule="sd", fsd_num_draft_tokens=4)
+    fixed = fsd_hf(target, draft, ids, mask, **kwargs)
+    heuristic = fsd_hf(target, draft, ids, mask, num_assistant_tokens_schedule="heuristic", **kwargs)
+    assert heuristic.tolist() == fixed.tolist()
 
 
 def test_sampling_with_a_seed_is_reproducible_and_is_fsd_ext_generate(target, draft):
