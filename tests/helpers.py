@@ -7,6 +7,7 @@ import torch
 
 import fsd_ext
 from fsd_ext import reference
+from fsd_ext.types import DIVERGENCES, RULES  # noqa: F401  (the tests' parameter lists)
 
 # Where a device-parametrized test runs: "cuda" carries the `cuda` marker (pytest -m cuda selects
 # it) and skips without a GPU.
@@ -255,3 +256,39 @@ def astronomical_gap_cases(dtype=torch.float32):
         cases.append(("a target logit 1e19 below, temperature 0.05: 0", far(1e19), plain[:, :1], (0.05,),
                       {"rkl", "mkl"}))
     return [(name, t.to(dtype), d.to(dtype), taus, infinite) for name, t, d, taus, infinite in cases]
+
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the logits dtypes the ops take
+
+# ----------------------------------------------------------------------------------------------
+# Tiny random models for the decoding loop and the engine adapters.
+
+EOS, PAD = 2, 0
+
+
+def tiny_llama(seed, layers=2, *, vocab=128, hidden=64, heads=4, kv_heads=2, max_positions=512,
+               logit_scale=1.0, dtype=torch.float32):
+    """A randomly initialised Llama; logit_scale > 1 makes its next-token distributions peakier
+    (fewer argmax ties)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=EOS,
+                         pad_token_id=PAD, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    model.lm_head.weight.data *= logit_scale
+    return model
+
+
+def left_padded_prompts(lengths, vocab, seed=0):
+    """Random prompts of the given lengths, left-padded -> (input_ids [B, P], attention_mask [B, P])."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), PAD, dtype=torch.int64)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, width - length:] = torch.randint(3, vocab, (length,), generator=gen)
+        mask[row, width - length:] = 1
+    return ids, mask

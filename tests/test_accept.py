@@ -12,13 +12,10 @@ import torch
 
 import fsd_ext
 from fsd_ext import reference
-from helpers import (DEVICES, FILTER_ROW_SHAPES, agreement_up_to_ties, assert_same_result,
-                     astronomical_gap_cases, below_float_range_cases, both, filter_rows, float_weight_draws,
-                     make_case, make_problem, rows_agree, tiny_rest_cases)
+from helpers import (DEVICES, DIVERGENCES, DTYPES, FILTER_ROW_SHAPES, RULES, agreement_up_to_ties,
+                     assert_same_result, astronomical_gap_cases, below_float_range_cases, both, filter_rows,
+                     float_weight_draws, make_case, make_problem, rows_agree, tiny_rest_cases)
 
-RULES = ["greedy", "sd", "fsd", "fsd_strict"]
-DIVERGENCES = ["kl", "rkl", "js", "tv", "mkl"]
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.mark.parametrize("rule", RULES)

@@ -23,16 +23,14 @@ import pytest
 import torch
 
 from fsd_ext import reference
-from helpers import FILTER_ROW_SHAPES, agreement, chi_square_pvalue, filter_rows, make_case, run_accept
+from helpers import (DIVERGENCES, DTYPES, FILTER_ROW_SHAPES, RULES, agreement, chi_square_pvalue, filter_rows,
+                     make_case, run_accept)
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-RULES = ("greedy", "sd", "fsd", "fsd_strict")
-DIVERGENCES = ("kl", "rkl", "js", "tv", "mkl")
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # ----------------------------------------------------------------------------------------------

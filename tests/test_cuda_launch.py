@@ -20,17 +20,14 @@ import pytest
 import torch
 
 from fsd_ext import reference
-from helpers import (agreement, agreement_up_to_ties, chi_square_pvalue, float_weight_draws, make_case,
-                     run_accept)
+from helpers import (DIVERGENCES, DTYPES, RULES, agreement, agreement_up_to_ties, chi_square_pvalue,
+                     float_weight_draws, make_case, run_accept)
 
 pytestmark = [
     pytest.mark.cuda,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-RULES = ("greedy", "sd", "fsd", "fsd_strict")
-DIVERGENCES = ("kl", "rkl", "js", "tv", "mkl")
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,25 +14,16 @@ import fsd_ext
 from fsd_ext import cuda_graphs
 from fsd_ext.generate import (_update_acceptance, acceptance_draft_length, check_tokenizers,
                                heuristic_draft_length)
-from helpers import chi_square_pvalue
+import helpers
+from helpers import PAD, chi_square_pvalue, left_padded_prompts
 
 transformers = pytest.importorskip("transformers")
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 VOCAB = 128
-EOS, PAD = 2, 0
 
 
 def tiny_llama(seed, layers=2, vocab=VOCAB, logit_scale=1.0, dtype=torch.float32):
-    """A randomly initialised Llama; logit_scale > 1 makes its next-token distributions peakier."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=512, bos_token_id=1, eos_token_id=EOS,
-                         pad_token_id=PAD, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config).to(dtype).eval()
-    model.lm_head.weight.data *= logit_scale
-    return model
+    return helpers.tiny_llama(seed, layers, vocab=vocab, logit_scale=logit_scale, dtype=dtype)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -61,15 +52,7 @@ def draft():
 
 
 def random_prompts(lengths, seed=0):
-    """Left-padded prompts of the given lengths -> (input_ids [B, P], attention_mask [B, P])."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.full((len(lengths), width), PAD, dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    for row, length in enumerate(lengths):
-        ids[row, width - length:] = torch.randint(3, VOCAB, (length,), generator=gen)
-        mask[row, width - length:] = 1
-    return ids, mask
+    return left_padded_prompts(lengths, VOCAB, seed)
 
 
 def new_tokens(out, prompt_width):

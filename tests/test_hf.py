@@ -10,25 +10,19 @@ import torch
 import fsd_ext
 
 transformers = pytest.importorskip("transformers", minversion="5")  # fsd_ext.hf needs 5.x
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from transformers.generation.utils import GenerateDecoderOnlyOutput  # noqa: E402
 
 import fsd_ext.hf  # noqa: E402
+import helpers  # noqa: E402
+from helpers import EOS, PAD, left_padded_prompts  # noqa: E402
 
 VOCAB = 96
-EOS, PAD = 2, 0
 
 
 def tiny_llama(seed, layers):
     """A random Llama whose scaled-up head makes next-token choices clear-cut (few argmax ties)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=256, bos_token_id=1, eos_token_id=EOS,
-                         pad_token_id=PAD, attn_implementation="sdpa")
-    model = LlamaForCausalLM(config).eval()
-    model.lm_head.weight.data *= 8.0
-    return model
+    return helpers.tiny_llama(seed, layers, vocab=VOCAB, hidden=32, heads=2, kv_heads=1, max_positions=256,
+                              logit_scale=8.0)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -55,15 +49,7 @@ def draft(target):
 
 
 def prompts(lengths, seed=0):
-    """Left-padded prompts -> (input_ids [B, P], attention_mask [B, P])."""
-    gen = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.full((len(lengths), width), PAD, dtype=torch.int64)
-    mask = torch.zeros_like(ids)
-    for row, length in enumerate(lengths):
-        ids[row, width - length:] = torch.randint(3, VOCAB, (length,), generator=gen)
-        mask[row, width - length:] = 1
-    return ids, mask
+    return left_padded_prompts(lengths, VOCAB, seed)
 
 
 def fsd_hf(target, draft, ids, mask=None, **kwargs):
