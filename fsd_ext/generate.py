@@ -73,6 +73,7 @@ class GenerateStats:
     seconds: float = 0.0  # wall time of the whole call, less diagnostics_seconds
     diagnostics_seconds: float = 0.0  # counting sampled SD rejections (output_divergences=True)
     prefill_seconds: float = 0.0  # the prompt forwards of both models (inside seconds)
+    target_prefill_seconds: float = 0.0  # the target's part of prefill_seconds
     capture_seconds: float = 0.0  # CUDA graph warm-ups and captures, both models (inside seconds)
     target_forwards: int = 0  # prefill included
     target_seconds: float = 0.0  # in the target's forwards (on CUDA GPU time; captures not included)
@@ -110,6 +111,17 @@ class GenerateStats:
         """Mean drafts a row proposed per target call (K under draft_length="fixed", until rows
         near max_new_tokens draft fewer)."""
         return self.drafted_tokens / self.verifications if self.verifications else 0.0
+
+    @property
+    def draft_cost_ratio(self) -> float:
+        """A draft forward's time over a target verification's, prompt forwards left out: the
+        `draft_cost` that draft_length="acceptance" assumes, as measured (0 without drafts)."""
+        draft_prefill = self.prefill_seconds - self.target_prefill_seconds
+        if self.draft_forwards < 2 or self.target_forwards < 2:
+            return 0.0
+        per_draft = (self.draft_seconds - draft_prefill) / (self.draft_forwards - 1)
+        per_target = (self.target_seconds - self.target_prefill_seconds) / (self.target_forwards - 1)
+        return per_draft / per_target if per_target > 0 else 0.0
 
     @property
     def tokens_per_target_call(self) -> float:
@@ -747,6 +759,7 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
                 cached.cache.lengths.fill_(prompt_len)
         _wait_for_gpu(ids)  # the forwards do not wait for the GPU: the prefill's end does
         stats.prefill_seconds = time.perf_counter() - prefill_start
+        stats.target_prefill_seconds = target_model.seconds
 
         if streamer is not None:
             streamer.put(input_ids.cpu())

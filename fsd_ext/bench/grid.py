@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..types import DIVERGENCES
+from ..types import DIVERGENCES, DRAFT_LENGTHS
 
 # Default threshold grids. Ranges: js in [0, ln 2], tv in [0, 1], kl/rkl/mkl unbounded; mkl is the
 # quantity the paper's code calls "js_div", so its grid brackets the paper's 0.4.
@@ -32,6 +32,7 @@ class Config:
     seed: int = 0
     num_draft_tokens: int = 5
     div_temperature: Optional[float] = 1.0
+    draft_length: str = "fixed"  # generate's draft_length= policy (K is then the most drafts)
 
     def __post_init__(self):
         if self.rule not in BENCH_RULES:
@@ -43,6 +44,10 @@ class Config:
             raise ValueError(f"rule {self.rule!r} takes no divergence or threshold")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.draft_length not in DRAFT_LENGTHS:
+            raise ValueError(f"draft_length must be one of {DRAFT_LENGTHS}, got {self.draft_length!r}")
+        if self.rule == "ar" and self.draft_length != "fixed":
+            raise ValueError("rule 'ar' drafts nothing: draft_length must be 'fixed'")
 
     @property
     def sampling(self) -> str:
@@ -60,6 +65,8 @@ class Config:
                 parts.append(f"div_t={self.div_temperature}")
         if self.rule != "ar":
             parts.append(f"K={self.num_draft_tokens}")
+        if self.draft_length != "fixed":  # absent for fixed: the keys of earlier sweeps hold
+            parts.append(self.draft_length)
         parts.append(self.sampling)
         return "/".join(parts)
 
@@ -72,15 +79,18 @@ class Config:
     def label(self) -> str:
         if self.rule == "ar":
             return "AR"
+        length = "" if self.draft_length == "fixed" else f" ({self.draft_length})"
         if self.rule == "sd":
-            return "SD"
+            return "SD" + length
         name = "FSD" if self.rule == "fsd" else "FSD-strict"
-        return f"{name} {self.divergence} T={self.threshold:g}"
+        return f"{name} {self.divergence} T={self.threshold:g}{length}"
 
     def generate_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments of fsd_ext.generate for this configuration."""
         kwargs: Dict[str, Any] = dict(rule=self.rule, num_draft_tokens=self.num_draft_tokens,
                                       temperature=self.temperature, seed=self.seed)
+        if self.draft_length != "fixed":
+            kwargs["draft_length"] = self.draft_length
         if self.top_p is not None:
             kwargs["top_p"] = self.top_p
         if self.rule in ("fsd", "fsd_strict"):
@@ -92,9 +102,11 @@ class Config:
 def build_grid(rules: Sequence[str] = BENCH_RULES, divergences: Sequence[str] = DIVERGENCES,
                thresholds: Optional[Dict[str, Sequence[float]]] = None, temperature: float = 0.0,
                top_p: Optional[float] = None, seeds: Sequence[int] = (0,), num_draft_tokens: int = 5,
-               div_temperature: Optional[float] = 1.0) -> List[Config]:
-    """AR and SD first (the references), then FSD and FSD-strict per divergence and threshold.
-    Greedy decoding uses only the first seed (the seed changes nothing)."""
+               div_temperature: Optional[float] = 1.0,
+               draft_lengths: Sequence[str] = ("fixed",)) -> List[Config]:
+    """AR and SD first (the references), then FSD and FSD-strict per divergence and threshold, each
+    speculative configuration once per draft-length policy. Greedy decoding uses only the first
+    seed (the seed changes nothing)."""
     unknown = set(rules) - set(BENCH_RULES)
     if unknown:
         raise ValueError(f"unknown rules {sorted(unknown)}; choose from {BENCH_RULES}")
@@ -107,15 +119,42 @@ def build_grid(rules: Sequence[str] = BENCH_RULES, divergences: Sequence[str] = 
     common = dict(temperature=temperature, top_p=top_p, num_draft_tokens=num_draft_tokens)
     configs = []
     for seed in seeds:
-        configs += [Config(rule, seed=seed, **common) for rule in ("ar", "sd") if rule in rules]
+        if "ar" in rules:
+            configs.append(Config("ar", seed=seed, **common))
+        if "sd" in rules:
+            configs += [Config("sd", seed=seed, draft_length=n, **common) for n in draft_lengths]
         for rule in ("fsd", "fsd_strict"):
             if rule not in rules:
                 continue
             for divergence in divergences:
-                configs += [Config(rule, divergence, float(t), seed=seed,
+                configs += [Config(rule, divergence, float(t), seed=seed, draft_length=n,
                                    div_temperature=div_temperature, **common)
-                            for t in grid[divergence]]
+                            for n in draft_lengths for t in grid[divergence]]
     return configs
+
+
+def parse_config(spec: str, **common) -> Config:
+    """One configuration from 'ar', 'sd', 'sd:heuristic', 'fsd:js:0.2' or 'fsd:rkl:0.5:acceptance'
+    (rule[:divergence:threshold][:draft_length]); `common` fills the other fields (temperature,
+    num_draft_tokens, ...)."""
+    parts = [p.strip() for p in spec.split(":")]
+    rule, rest = parts[0], parts[1:]
+    fuzzy = rule in ("fsd", "fsd_strict")
+    fields: Dict[str, Any] = dict(common)
+    try:
+        if fuzzy:
+            fields.update(divergence=rest[0], threshold=float(rest[1]))
+            rest = rest[2:]
+        if len(rest) > 1:
+            raise ValueError("too many fields")
+        if rest:
+            fields["draft_length"] = rest[0]
+        if not fuzzy:
+            fields.pop("div_temperature", None)  # as build_grid: only FSD rows take it
+        return Config(rule, **fields)
+    except (IndexError, ValueError, TypeError) as error:
+        raise ValueError(f"--config expects rule[:divergence:threshold][:draft_length], e.g. "
+                         f"'sd:heuristic' or 'fsd:js:0.2:acceptance', got {spec!r} ({error})") from None
 
 
 def parse_thresholds(text: Optional[str]) -> Dict[str, tuple]:
