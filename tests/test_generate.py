@@ -349,7 +349,11 @@ def test_prefill_time_and_kept_accepted_drafts(target, draft):
     out = fsd_ext.generate(target, draft, ids, mask, max_new_tokens=7, eos_token_id=[], **kwargs)
     stats = out.stats
     assert 0 < stats.prefill_seconds < stats.seconds
+    assert 0 < stats.target_prefill_seconds < stats.prefill_seconds
     assert stats.decode_tokens_per_second > stats.tokens_per_second
+    per_draft = (stats.draft_seconds - (stats.prefill_seconds - stats.target_prefill_seconds)) / 5
+    per_target = (stats.target_seconds - stats.target_prefill_seconds) / (stats.target_forwards - 1)
+    assert stats.draft_cost_ratio == pytest.approx(per_draft / per_target) and per_draft > 0
     # Everything is accepted: 4 drafts + bonus, then only 1 draft + bonus for the last 2 tokens.
     assert stats.accepted_histogram == [0, 1, 0, 0, 1]
     assert stats.new_tokens == 7 and stats.accepted_drafts == 5

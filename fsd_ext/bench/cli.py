@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser):
                      help="config: one configuration after the other (a progress bar each); problem: "
                           "every configuration on each problem in turn, so load changes on a shared "
                           "machine hit all configurations alike")
+    run.add_argument("--max-contention", type=float, default=0.25,
+                     help="decode a problem again (up to 3 times) when other processes used more "
+                          "than this many cores meanwhile (a shared machine; negative: never)")
     run.add_argument("--summarize-only", action="store_true", help="only rebuild summary and plots")
     run.add_argument("--no-progress", action="store_true")
     run.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
@@ -215,7 +218,8 @@ def run_from_args(args, backend: Optional[Backend] = None) -> List[Dict[str, Any
         written = run_sweep(configs, problems, backend, store,
                             humaneval.SandboxLimits(timeout_s=args.timeout),
                             progress=not args.no_progress, warmup_tokens=args.warmup_tokens,
-                            order=args.order)
+                            order=args.order,
+                            max_contention=None if args.max_contention < 0 else args.max_contention)
         run.update(end=_now(), records_written=written,
                    load_average_end=[round(x, 2) for x in os.getloadavg()])
         _log_run(args.out, run)

@@ -7,6 +7,7 @@ The decoding itself is behind a small interface (`Backend.complete(config, promp
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -231,13 +232,15 @@ def run_sweep(configs: Sequence[Config], problems: Sequence[Dict[str, str]], bac
               store: ResultStore, limits: humaneval.SandboxLimits = humaneval.SandboxLimits(),
               progress: bool = True, warmup_tokens: int = 0,
               on_record: Optional[Callable[[Dict[str, Any]], None]] = None,
-              order: str = "config") -> int:
+              order: str = "config", max_contention: Optional[float] = 0.25) -> int:
     """Decode and score every (configuration, problem) not yet in the store. Returns how many new
     records were written.
 
     order="config": one configuration after the other, a progress bar each. order="problem": all
     configurations on problem 1, then on problem 2, ...: a change in machine load during the run
     then hits every configuration alike, which keeps their tokens/s comparable on a shared machine.
+    max_contention: decode again what ran while other processes used more than this many cores
+    (contended_complete; None: never).
     """
     if order not in ("config", "problem"):
         raise ValueError(f"order must be 'config' or 'problem', got {order!r}")
@@ -256,7 +259,8 @@ def run_sweep(configs: Sequence[Config], problems: Sequence[Dict[str, str]], bac
                             progress)
             passed = 0
             for problem in todo[config.key]:
-                record = _run_one(config, problem, backend, sid, limits, store, on_record)
+                record = _run_one(config, problem, backend, sid, limits, store, on_record,
+                                  max_contention)
                 written, passed = written + 1, passed + record["passed"]
                 bar.update(1)
                 bar.set_postfix_str(f"pass {passed}/{len(todo[config.key])} new, "
@@ -271,7 +275,8 @@ def run_sweep(configs: Sequence[Config], problems: Sequence[Dict[str, str]], bac
     for problem in problems:
         for config in configs:
             if problem in todo[config.key]:
-                record = _run_one(config, problem, backend, sid, limits, store, on_record)
+                record = _run_one(config, problem, backend, sid, limits, store, on_record,
+                                  max_contention)
                 written += 1
                 bar.update(1)
                 bar.set_postfix_str(f"{problem['task_id']} {config.label}: "
@@ -280,12 +285,62 @@ def run_sweep(configs: Sequence[Config], problems: Sequence[Dict[str, str]], bac
     return written
 
 
+def _machine_busy_seconds() -> Optional[float]:
+    """CPU seconds the whole machine has spent busy (Linux /proc/stat; None elsewhere)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as handle:
+            fields = handle.readline().split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_seconds() -> float:
+    """CPU seconds of this process (all threads) and its reaped children."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def _wait_until_quiet(max_contention: float, timeout_s: float, probe_s: float = 1.0):
+    """Sleep until, over one probe, the machine (this process idles meanwhile) uses at most
+    max_contention cores, or timeout_s passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        busy0 = _machine_busy_seconds()
+        time.sleep(probe_s)
+        if _machine_busy_seconds() - busy0 <= max_contention * probe_s:
+            return
+
+
+def contended_complete(backend: Backend, config: Config, prompt: str,
+                       max_contention: Optional[float] = 0.25, retries: int = 3,
+                       quiet_timeout_s: float = 600.0):
+    """backend.complete, timed while no other process uses the CPU: beside a busy process a
+    multi-threaded decode runs several times slower, so a decode during which the rest of the
+    machine used more than `max_contention` cores on average is decoded again, after waiting (at
+    most quiet_timeout_s) for the machine to go quiet, up to `retries` times. Returns (Generation,
+    the other processes' mean cores during the kept decode; None where /proc/stat is missing or
+    max_contention is None)."""
+    for attempt in range(retries + 1):
+        busy0, own0, wall0 = _machine_busy_seconds(), _own_cpu_seconds(), time.perf_counter()
+        gen = backend.complete(config, prompt)
+        wall = time.perf_counter() - wall0
+        if busy0 is None or max_contention is None:
+            return gen, None
+        contention = max(0.0, (_machine_busy_seconds() - busy0) - (_own_cpu_seconds() - own0)) / wall
+        if contention <= max_contention or attempt == retries:
+            return gen, contention
+        _wait_until_quiet(max_contention, quiet_timeout_s)
+
+
 def _run_one(config: Config, problem: Dict[str, str], backend: Backend, sid: str,
              limits: humaneval.SandboxLimits, store: ResultStore,
-             on_record: Optional[Callable[[Dict[str, Any]], None]]) -> Dict[str, Any]:
+             on_record: Optional[Callable[[Dict[str, Any]], None]],
+             max_contention: Optional[float] = 0.25) -> Dict[str, Any]:
     """Decode one problem with one configuration, score it, append the record to the store."""
     start = time.perf_counter()
-    gen = backend.complete(config, backend.prompt(problem))
+    gen, contention = contended_complete(backend, config, backend.prompt(problem), max_contention)
     completion = humaneval.extract_completion(gen.text, backend.chat)
     result = humaneval.check_completion(problem, completion, limits)
     record = {
@@ -300,6 +355,7 @@ def _run_one(config: Config, problem: Dict[str, str], backend: Backend, sid: str
         "accepted_hist": gen.accepted_hist,
         "accepted_drafts": gen.accepted_drafts, "verify_steps": gen.verify_steps,
         "sd_rejected": gen.sd_rejected, "stats": gen.extra.get("stats"),
+        "contention": contention,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     store.append(record)

@@ -38,7 +38,8 @@ def _draft_cost_ratio(records) -> Optional[float]:
     """A draft forward's time over a target verification's, prompt forwards left out, pooled over
     the records (GenerateStats.draft_cost_ratio of them all); None without the timings."""
     prefill, target_prefill = _stats_sum(records, "prefill_seconds"), _stats_sum(records, "target_prefill_seconds")
-    target_s, draft_s = _stats_sum(records, "target_seconds"), _stats_sum(records, "draft_seconds")
+    target_s = _sum_optional(r.get("target_seconds") for r in records)
+    draft_s = _sum_optional(r.get("draft_seconds") for r in records)
     if None in (prefill, target_prefill, target_s, draft_s):
         return None
     draft_calls = sum(r["draft_calls"] - 1 for r in records if r["draft_calls"])
