@@ -19,7 +19,12 @@ continues where it left off. The summary aggregates per configuration (seeds poo
     mean_accepted          accepted drafts / verification steps (the correction or bonus token is
                            not counted; 0 for AR)
     tokens_per_target_call generated tokens / target forward calls
+    mean_drafted           drafts proposed / verification steps (below K under an adaptive
+                           draft_length)
+    draft_cost_ratio       a draft forward's time over a target verification's, prompt forwards
+                           left out (GenerateStats.draft_cost_ratio, pooled)
     sd_rejected_share      accepted drafts that SD alone would have rejected / accepted drafts
+    same_as_sd             greedy: share of problems whose text equals fixed-K SD's
     target_calls, draft_calls, target_s, draft_s, wall_s (generate plus scoring)
 
 "SD alone would have rejected" (0 by definition for AR and SD) comes from fsd_ext.generate's
