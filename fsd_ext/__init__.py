@@ -3,12 +3,13 @@
 Fused CPU/CUDA kernels for the verification step (`accept`), the divergences (`divergence`), sampling
 (`sample`) and their Philox random streams (`philox_uniforms`), plus a pure-torch reference
 (`fsd_ext.reference`) that is the executable spec of all of them, and `generate`, the AR/SD/FSD
-decoding loop over a pair of Hugging Face causal LMs.
+decoding loop over a pair of Hugging Face causal LMs, and `calibrate`, which picks its threshold.
 """
 
 from importlib import metadata as _metadata
 
 from . import reference
+from .calibrate import Calibration, calibrate
 from .cuda_graphs import release_cuda_graphs
 from .generate import GenerateOutput, GenerateStats, generate
 from .ops import accept, divergence, philox_uniforms, sample
@@ -30,4 +31,5 @@ def __getattr__(name):
 
 
 __all__ = ["accept", "divergence", "sample", "philox_uniforms", "reference", "AcceptResult",
-           "RULES", "DIVERGENCES", "generate", "GenerateOutput", "GenerateStats", "release_cuda_graphs"]
+           "RULES", "DIVERGENCES", "generate", "GenerateOutput", "GenerateStats", "release_cuda_graphs",
+           "calibrate", "Calibration"]

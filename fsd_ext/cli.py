@@ -1,14 +1,17 @@
-"""`fsd-ext` command line: `generate` (one prompt, any model pair) and `demo` (AR vs SD vs FSD on a
-few coding prompts with the offline Qwen2.5-Coder 1.5B/0.5B pair, or any pair you name).
+"""`fsd-ext` command line: `generate` (one prompt, any model pair), `demo` (AR vs SD vs FSD on a
+few coding prompts with the offline Qwen2.5-Coder 1.5B/0.5B pair, or any pair you name) and
+`calibrate` (the largest threshold within a budget of departures from SD).
 
     fsd-ext demo                                    # offline Qwen2.5-Coder 1.5B / 0.5B
     fsd-ext generate --target T --draft D --prompt "def quicksort(xs):" --rule fsd --threshold 0.3
+    fsd-ext calibrate --divergence js --max-deviation 0.01,0.02 --humaneval 0-9
     fsd-ext bench frontier --problems 20            # HumanEval pass@1 vs tokens/s sweep
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import List, Optional
 
@@ -73,9 +76,10 @@ def _float_or_none(text: str):
     return None if text.lower() == "none" else float(text)
 
 
-def _add_sampling_args(parser, temperature: float):
+def _add_sampling_args(parser, temperature: float, threshold: bool = True):
     parser.add_argument("--divergence", default="js", choices=["kl", "rkl", "js", "tv", "mkl"])
-    parser.add_argument("--threshold", type=float, default=0.3, help="FSD threshold T")
+    if threshold:
+        parser.add_argument("--threshold", type=float, default=0.3, help="FSD threshold T")
     parser.add_argument("--num-draft-tokens", type=int, default=5,
                         help="K, the most drafts per target call")
     parser.add_argument("--draft-length", default="fixed", choices=list(DRAFT_LENGTHS),
@@ -115,9 +119,13 @@ def _add_sampling_args(parser, temperature: float):
 def _generate_kwargs(args, rule: str) -> dict:
     return dict(rule=rule, divergence=args.divergence, threshold=args.threshold,
                 num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
-                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                div_temperature=args.div_temperature, max_new_tokens=args.max_new_tokens,
-                seed=args.seed, draft_length=args.draft_length,
+                max_new_tokens=args.max_new_tokens, seed=args.seed, **_loop_kwargs(args))
+
+
+def _loop_kwargs(args) -> dict:
+    """generate's options besides the rule, divergence, threshold, K, temperature, length and seed."""
+    return dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                div_temperature=args.div_temperature, draft_length=args.draft_length,
                 draft_confidence=args.draft_confidence, draft_cost=args.draft_cost)
 
 
@@ -173,6 +181,102 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def _floats(text: str) -> List[float]:
+    """'0.01,0.02' -> [0.01, 0.02]"""
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _fractions(text: str) -> List[float]:
+    """'0.01,0.02' -> [0.01, 0.02], each in [0, 1]"""
+    values = _floats(text)
+    if not values or not all(0.0 <= v <= 1.0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected fractions in [0, 1], got {text!r}")
+    return values
+
+
+def _humaneval_ids(text: str) -> List[int]:
+    """'0-3,7' -> [0, 1, 2, 3, 7]: HumanEval problem numbers, ranges inclusive."""
+    ids = []
+    try:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            first, _, last = part.partition("-")
+            ids += range(int(first), int(last or first) + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected problem numbers like 0-9 or 0,3,7, got {text!r}") from None
+    from .bench.humaneval import NUM_PROBLEMS  # (loads the harness only when asked for it)
+
+    if not ids or not all(0 <= i < NUM_PROBLEMS for i in ids):
+        raise argparse.ArgumentTypeError(
+            f"expected HumanEval problems in 0-{NUM_PROBLEMS - 1}, got {text!r}")
+    return ids
+
+
+def read_prompts_file(path: str) -> List[str]:
+    """The prompts of a JSONL file: one JSON object per line with a "prompt" string; blank lines are
+    skipped."""
+    prompts = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise ValueError(f"{path}:{number}: expected a JSON object with a \"prompt\" string")
+            prompts.append(record["prompt"])
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+def _calibration_prompts(args, texts: List[str], target, draft, tokenizer):
+    """-> (1-D token-id tensors, EOS ids for generate or None, a description). HumanEval problems are
+    encoded by the frontier benchmark's own backend (its prompt format and EOS ids); `texts` as
+    `fsd-ext generate` encodes a prompt."""
+    if args.humaneval is not None:
+        from .bench import humaneval
+        from .bench.runner import HFBackend
+
+        problems = humaneval.select_problems(humaneval.load_problems(), ids=args.humaneval)
+        backend = HFBackend(target, draft, tokenizer, use_chat=None if args.chat else False)
+        return ([backend.prompt_ids(p)[0] for p in problems], backend.eos_token_id,
+                f"HumanEval {','.join(str(i) for i in args.humaneval)}")
+    source = args.prompts_file or "the demo prompts"
+    return [_encode(tokenizer, text, args.chat, args.device)[0] for text in texts], None, source
+
+
+def cmd_calibrate(args) -> int:
+    from .calibrate import calibrate, format_points
+
+    budgets = [b for group in (args.max_deviation or [[0.02]]) for b in group]
+    texts = read_prompts_file(args.prompts_file) if args.prompts_file else DEMO_PROMPTS  # (early)
+    target, draft, tokenizer = _load_pair(args, need_draft=True)
+    prompts, eos_ids, source = _calibration_prompts(args, texts, target, draft, tokenizer)
+    print(f"calibrating {args.rule} {args.divergence} on {len(prompts)} prompts ({source}), "
+          f"temperature {args.temperature}, K={args.num_draft_tokens}, "
+          f"{args.max_new_tokens} new tokens", file=sys.stderr, flush=True)
+    results = calibrate(
+        target, draft, prompts, divergence=args.divergence, max_deviation=budgets, rule=args.rule,
+        thresholds=args.thresholds, temperature=args.temperature,
+        num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
+        refine_steps=args.refine_steps, seed=args.seed, eos_token_id=eos_ids,
+        on_point=lambda p: print(f"T={p.threshold:.6g}: {p.share:.2%} of {p.accepted_drafts} "
+                                 f"accepted drafts SD would reject ({p.seconds:.1f} s)",
+                                 file=sys.stderr, flush=True),
+        **_loop_kwargs(args))
+    points = {p.threshold: p for r in results for p in r.points}
+    print(format_points(list(points.values())))
+    for r in results:
+        print(f"max deviation {r.max_deviation:.2%}: T = {r.threshold:.6g} (measured {r.deviation:.2%})")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as handle:
+            json.dump({"target": args.target, "draft": args.draft, "prompts": source,
+                       "calibrations": [r.to_dict() for r in results]}, handle, indent=1)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .models import DEFAULT_DRAFT, DEFAULT_TARGET, names
 
@@ -198,6 +302,28 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--show-text", action="store_true", help="print each rule's first answer")
     _add_sampling_args(demo, temperature=0.0)
     demo.set_defaults(func=cmd_demo, max_new_tokens=48)
+
+    cal = sub.add_parser("calibrate", help="the largest threshold within a budget of departures from SD")
+    cal.add_argument("--target", default=DEFAULT_TARGET, help=models_help)
+    cal.add_argument("--draft", default=DEFAULT_DRAFT, help=models_help)
+    cal.add_argument("--rule", default="fsd", choices=["fsd", "fsd_strict"])
+    cal.add_argument("--max-deviation", type=_fractions, action="append",
+                     help="budget: the share of accepted drafts SD would have rejected (default "
+                          "0.02); several, repeated or comma-separated, each get a search")
+    cal.add_argument("--thresholds", type=_floats, default=None,
+                     help="candidate thresholds, comma-separated (default: the divergence's grid, "
+                          "fsd_ext.calibrate.DEFAULT_THRESHOLDS)")
+    cal.add_argument("--refine-steps", type=int, default=2,
+                     help="bisections between the last candidate within budget and the next")
+    prompts = cal.add_mutually_exclusive_group()
+    prompts.add_argument("--prompts-file", default=None,
+                         help='JSONL, one {"prompt": "..."} per line (default: the demo prompts)')
+    prompts.add_argument("--humaneval", type=_humaneval_ids, default=None, metavar="IDS",
+                         help="HumanEval problems, e.g. 0-9 or 0,3,7, prompted as `fsd-ext bench "
+                              "frontier` prompts them")
+    cal.add_argument("--json", default=None, metavar="PATH", help="write the calibrations here")
+    _add_sampling_args(cal, temperature=0.0, threshold=False)
+    cal.set_defaults(func=cmd_calibrate)
 
     bench = sub.add_parser("bench", help="benchmarks (frontier: HumanEval pass@1 vs tokens/s sweep)")
     from .bench.cli import add_frontier_parser  # the harness loads only when the CLI is built

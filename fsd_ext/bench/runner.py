@@ -170,6 +170,10 @@ class HFBackend(Backend):
     def prompt(self, problem: Dict[str, str]) -> str:
         return humaneval.format_prompt(problem, self.tokenizer, self.chat)
 
+    def prompt_ids(self, problem: Dict[str, str]):
+        """[1, P] the token ids complete() decodes for `problem` (`fsd-ext calibrate` reuses them)."""
+        return self._encode(self.prompt(problem))
+
     def _encode(self, text: str):
         import torch
         ids = self.tokenizer.encode(text, add_special_tokens=not self.chat)
