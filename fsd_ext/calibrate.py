@@ -27,7 +27,7 @@ from .types import DIVERGENCES
 
 # Default candidates per divergence: doubling grids inside each divergence's range (js <= ln 2,
 # tv <= 1; kl, rkl and mkl are unbounded: up to 6.4 nats).
-DEFAULT_THRESHOLDS: Dict[str, tuple] = {
+CALIBRATION_GRID: Dict[str, tuple] = {
     "js": (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64),
     "tv": (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.0),
     "kl": (0.0125, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4),
@@ -172,7 +172,7 @@ def calibrate(target, draft, prompts, *, divergence: str = "js",
     pooled over `prompts`, is at most `max_deviation`.
 
     Each prompt is decoded alone (batch 1) with fsd_ext.generate at each threshold tried. The
-    candidates (`thresholds`, default DEFAULT_THRESHOLDS[divergence]) are tried in ascending order up
+    candidates (`thresholds`, default CALIBRATION_GRID[divergence]) are tried in ascending order up
     to the first whose share is over budget; then `refine_steps` bisections between the last one
     within budget and that one. This assumes the share grows with T and nothing more: the answer is
     always a threshold measured within budget, or 0.0 when no candidate is (for rule "fsd" T = 0 is
@@ -220,7 +220,7 @@ def calibrate(target, draft, prompts, *, divergence: str = "js",
         raise ValueError(f"refine_steps must be an int >= 0, got {refine_steps!r}")
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"seed must be an int, got {seed!r}")
-    grid = DEFAULT_THRESHOLDS[divergence] if thresholds is None else list(thresholds)
+    grid = CALIBRATION_GRID[divergence] if thresholds is None else list(thresholds)
     if not grid or any(isinstance(t, bool) or not isinstance(t, numbers.Real)
                        or not 0.0 <= t < math.inf for t in grid):
         raise ValueError(f"thresholds must be a non-empty list of finite floats >= 0, got {thresholds!r}")

@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "0.02); several, repeated or comma-separated, each get a search")
     cal.add_argument("--thresholds", type=_floats, default=None,
                      help="candidate thresholds, comma-separated (default: the divergence's grid, "
-                          "fsd_ext.calibrate.DEFAULT_THRESHOLDS)")
+                          "fsd_ext.calibrate.CALIBRATION_GRID)")
     cal.add_argument("--refine-steps", type=int, default=2,
                      help="bisections between the last candidate within budget and the next")
     prompts = cal.add_mutually_exclusive_group()

@@ -171,7 +171,7 @@ def test_every_candidate_over_budget_gives_zero(monkeypatch):
     measured = scripted(monkeypatch, lambda t: 0.5)
     cal = fsd_ext.calibrate(torch.nn.Linear(1, 1), None, [[1]], max_deviation=0.02)
     assert (cal.threshold, cal.deviation) == (0.0, 0.0)
-    assert measured == [calibrate_module.DEFAULT_THRESHOLDS["js"][0]]
+    assert measured == [calibrate_module.CALIBRATION_GRID["js"][0]]
 
 
 def test_several_budgets_share_their_measurements(monkeypatch):
