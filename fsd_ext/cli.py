@@ -198,20 +198,12 @@ def _fractions(text: str) -> List[float]:
 
 
 def _humaneval_ids(text: str) -> List[int]:
-    """'0-3,7' -> [0, 1, 2, 3, 7]: HumanEval problem numbers, ranges inclusive."""
-    ids = []
-    try:
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            first, _, last = part.partition("-")
-            ids += range(int(first), int(last or first) + 1)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected problem numbers like 0-9 or 0,3,7, got {text!r}") from None
-    from .bench.humaneval import NUM_PROBLEMS  # (loads the harness only when asked for it)
+    from .bench.humaneval import parse_ids  # (loads the harness only when asked for it)
 
-    if not ids or not all(0 <= i < NUM_PROBLEMS for i in ids):
-        raise argparse.ArgumentTypeError(
-            f"expected HumanEval problems in 0-{NUM_PROBLEMS - 1}, got {text!r}")
-    return ids
+    try:
+        return parse_ids(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def read_prompts_file(path: str) -> List[str]:

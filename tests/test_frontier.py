@@ -424,6 +424,13 @@ def test_cli_hook_and_run_from_args(tmp_path, capsys):
     again = cli.run_from_args(summary_args)
     assert [r["pass_at_1"] for r in again] == [r["pass_at_1"] for r in rows]
     assert os.path.exists(os.path.join(out, "summary.csv"))
+    # A table of some of the problems (e.g. those not calibrated on) goes to its own folder.
+    held_out = str(tmp_path / "held-out")
+    one = cli.run_from_args(cli.build_parser().parse_args(
+        ["--target", "fake-target", "--draft", "fake-draft", "--max-new-tokens", "64", "--ids", "1",
+         "--rules", "ar,sd", "--out", out, "--summarize-only", "--summary-dir", held_out]))
+    assert [r["problems"] for r in one] == [1, 1]
+    assert json.loads(open(os.path.join(held_out, "summary.json")).read())["meta"]["problems"] == ["HumanEval/1"]
     # Sampling on request: every seed is its own sample, pooled per configuration.
     sampled = cli.configs_from_args(cli.build_parser().parse_args(
         ["--rules", "sd,fsd", "--divergences", "rkl", "--thresholds", "rkl=1", "--temperature", "0.8",
@@ -433,6 +440,11 @@ def test_cli_hook_and_run_from_args(tmp_path, capsys):
     # --ids and --all select problems.
     assert [p["task_id"] for p in cli.problems_from_args(
         cli.build_parser().parse_args(["--ids", "5,HumanEval/9"]))] == ["HumanEval/5", "HumanEval/9"]
+    assert [p["task_id"] for p in cli.problems_from_args(cli.build_parser().parse_args(
+        ["--ids", "3-5,1"]))] == ["HumanEval/3", "HumanEval/4", "HumanEval/5", "HumanEval/1"]
+    for bad in ("3-x", "160-164", "", "-1"):
+        with pytest.raises(ValueError):
+            humaneval.parse_ids(bad)
     assert len(cli.problems_from_args(cli.build_parser().parse_args(["--all"]))) == 164
 
 

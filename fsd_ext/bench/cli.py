@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser):
     task = parser.add_argument_group("task")
     which = task.add_mutually_exclusive_group()
     which.add_argument("--problems", type=int, default=20, help="the first N HumanEval problems")
-    which.add_argument("--ids", default=None, help="explicit task ids, e.g. 0,3,HumanEval/7")
+    which.add_argument("--ids", default=None, help="problem numbers, e.g. 0-9,12,HumanEval/20")
     which.add_argument("--all", action="store_true", help="all 164 problems")
     task.add_argument("--no-chat", action="store_true", help="raw prompts even if the tokenizer has a chat template")
     task.add_argument("--max-new-tokens", type=int, default=512)
@@ -85,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser):
                      help="decode a problem again (up to 3 times) when other processes used more "
                           "than this many cores meanwhile (a shared machine; negative: never)")
     run.add_argument("--summarize-only", action="store_true", help="only rebuild summary and plots")
+    run.add_argument("--summary-dir", default=None,
+                     help="where the summary and plots go (default: --out), e.g. a table of the "
+                          "problems a threshold was not calibrated on: --summarize-only --ids 10-163")
     run.add_argument("--no-progress", action="store_true")
     run.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
 
@@ -132,7 +135,7 @@ def problems_from_args(args) -> List[Dict[str, str]]:
     if args.all:
         return problems
     return humaneval.select_problems(problems, num=None if args.ids else args.problems,
-                                     ids=_csv_list(args.ids) if args.ids else None)
+                                     ids=humaneval.parse_ids(args.ids) if args.ids else None)
 
 
 def finish(store: ResultStore, setup: Dict[str, Any], out_dir: str, meta: Dict[str, Any],
@@ -225,7 +228,7 @@ def run_from_args(args, backend: Optional[Backend] = None) -> List[Dict[str, Any
         _log_run(args.out, run)
     meta = {"summary_command": command, "setup": setup, "setup_id": sid, "problems": task_ids,
             "runs": [r for r in read_runs(args.out) if r.get("setup_id") == sid], "time": _now()}
-    return finish(store, setup, args.out, meta, configs, task_ids)
+    return finish(store, setup, args.summary_dir or args.out, meta, configs, task_ids)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
