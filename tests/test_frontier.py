@@ -158,7 +158,10 @@ def test_draft_length_configs_and_specs():
     assert parse_config("fsd:js:0.2:acceptance", **common) == grid[4]
     assert parse_config("ar", **common) == grid[0]
     assert parse_config("sd:heuristic", **common).key == "sd/K=5/heuristic/greedy"
-    for bad in ("fsd:js", "fsd:js:x", "sd:sometimes", "ar:heuristic", "sd:heuristic:fixed", "beam"):
+    assert parse_config("fsd:js:0.2:acceptance:K=8", **common).key == "fsd/js/T=0.2/K=8/acceptance/greedy"
+    assert parse_config("sd:K=3", **common).generate_kwargs()["num_draft_tokens"] == 3
+    for bad in ("fsd:js", "fsd:js:x", "sd:sometimes", "ar:heuristic", "sd:heuristic:fixed", "beam",
+                "sd:K=x", "sd:K=0"):
         with pytest.raises(ValueError):
             parse_config(bad, **common)
     args = cli.build_parser().parse_args(["--config", "ar", "--config", "fsd:rkl:1:heuristic",

@@ -61,8 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser):
                       help=f"draft-length policies of the SD/FSD rows, a subset of {','.join(DRAFT_LENGTHS)}")
     grid.add_argument("--config", action="append", default=None, metavar="SPEC",
                       help="an explicit configuration instead of the grid, repeatable: "
-                           "rule[:divergence:threshold][:draft_length], e.g. ar, sd:heuristic, "
-                           "fsd:js:0.2:acceptance (sampling, K and seeds from the options below)")
+                           "rule[:divergence:threshold][:draft_length][:K=n], e.g. ar, sd:heuristic, "
+                           "fsd:js:0.2:acceptance:K=8 (sampling, seeds and K unless given from the "
+                           "options below)")
     grid.add_argument("--num-draft-tokens", type=int, default=5, help="K (the most, when adaptive)")
     grid.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     grid.add_argument("--top-p", type=float, default=None)

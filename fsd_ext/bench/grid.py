@@ -44,6 +44,8 @@ class Config:
             raise ValueError(f"rule {self.rule!r} takes no divergence or threshold")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.rule != "ar" and not self.num_draft_tokens >= 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if self.draft_length not in DRAFT_LENGTHS:
             raise ValueError(f"draft_length must be one of {DRAFT_LENGTHS}, got {self.draft_length!r}")
         if self.rule == "ar" and self.draft_length != "fixed":
@@ -134,14 +136,16 @@ def build_grid(rules: Sequence[str] = BENCH_RULES, divergences: Sequence[str] = 
 
 
 def parse_config(spec: str, **common) -> Config:
-    """One configuration from 'ar', 'sd', 'sd:heuristic', 'fsd:js:0.2' or 'fsd:rkl:0.5:acceptance'
-    (rule[:divergence:threshold][:draft_length]); `common` fills the other fields (temperature,
-    num_draft_tokens, ...)."""
+    """One configuration from 'ar', 'sd', 'sd:heuristic', 'fsd:js:0.2' or 'fsd:rkl:0.5:acceptance:K=8'
+    (rule[:divergence:threshold][:draft_length][:K=n]); `common` fills the other fields
+    (temperature, num_draft_tokens, ...)."""
     parts = [p.strip() for p in spec.split(":")]
     rule, rest = parts[0], parts[1:]
     fuzzy = rule in ("fsd", "fsd_strict")
     fields: Dict[str, Any] = dict(common)
     try:
+        if rest and rest[-1].startswith("K="):
+            fields["num_draft_tokens"] = int(rest.pop()[2:])
         if fuzzy:
             fields.update(divergence=rest[0], threshold=float(rest[1]))
             rest = rest[2:]
@@ -153,8 +157,8 @@ def parse_config(spec: str, **common) -> Config:
             fields.pop("div_temperature", None)  # as build_grid: only FSD rows take it
         return Config(rule, **fields)
     except (IndexError, ValueError, TypeError) as error:
-        raise ValueError(f"--config expects rule[:divergence:threshold][:draft_length], e.g. "
-                         f"'sd:heuristic' or 'fsd:js:0.2:acceptance', got {spec!r} ({error})") from None
+        raise ValueError(f"--config expects rule[:divergence:threshold][:draft_length][:K=n], e.g. "
+                         f"'sd:heuristic' or 'fsd:js:0.2:acceptance:K=8', got {spec!r} ({error})") from None
 
 
 def parse_thresholds(text: Optional[str]) -> Dict[str, tuple]:
