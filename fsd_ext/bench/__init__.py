@@ -23,6 +23,9 @@ continues where it left off. The summary aggregates per configuration (seeds poo
                            draft_length)
     draft_cost_ratio       a draft forward's time over a target verification's, prompt forwards
                            left out (GenerateStats.draft_cost_ratio, pooled)
+    ceiling_tokens_per_s   the tokens/s had every step accepted all the drafts it proposed, from the
+                           same run's prompt, verification, draft and loop times: what no
+                           acceptance rule can beat at this draft length
     sd_rejected_share      accepted drafts that SD alone would have rejected / accepted drafts
     same_as_sd             greedy: share of problems whose text equals fixed-K SD's
     target_calls, draft_calls, target_s, draft_s, wall_s (generate plus scoring)

@@ -18,7 +18,7 @@ SUMMARY_FIELDS = (
     "problems", "samples", "pass_at_1", "tokens_per_s", "decode_tokens_per_s", "speedup_vs_ar",
     "speedup_vs_sd",
     "pass_delta_vs_sd", "mean_accepted", "mean_drafted", "tokens_per_target_call",
-    "draft_cost_ratio", "target_calls", "draft_calls",
+    "draft_cost_ratio", "ceiling_tokens_per_s", "target_calls", "draft_calls",
     "target_s", "draft_s", "new_tokens", "generate_s", "wall_s", "accepted_drafts",
     "sd_rejected_share", "same_as_sd", "pareto",
 )
@@ -34,20 +34,34 @@ def _stats_sum(records, name: str) -> Optional[float]:
     return _sum_optional((r.get("stats") or {}).get(name) for r in records)
 
 
-def _draft_cost_ratio(records) -> Optional[float]:
-    """A draft forward's time over a target verification's, prompt forwards left out, pooled over
-    the records (GenerateStats.draft_cost_ratio of them all); None without the timings."""
+def _forward_times(records) -> Optional[Dict[str, float]]:
+    """Pooled over the records, prompt forwards left out: seconds per target forward (a verification
+    for SD/FSD, one token for AR), per draft forward, and the rest of the decode (the loop, accept)
+    per verification step; plus the prompt forwards' seconds. None without the timings."""
     prefill, target_prefill = _stats_sum(records, "prefill_seconds"), _stats_sum(records, "target_prefill_seconds")
     target_s = _sum_optional(r.get("target_seconds") for r in records)
-    draft_s = _sum_optional(r.get("draft_seconds") for r in records)
-    if None in (prefill, target_prefill, target_s, draft_s):
+    draft_s = _sum_optional(r.get("draft_seconds") or 0.0 for r in records)
+    target_calls = sum(r["target_calls"] - 1 for r in records)
+    if None in (prefill, target_prefill, target_s) or target_calls <= 0 or target_s <= target_prefill:
         return None
     draft_calls = sum(r["draft_calls"] - 1 for r in records if r["draft_calls"])
-    target_calls = sum(r["target_calls"] - 1 for r in records)
-    if draft_calls <= 0 or target_calls <= 0 or target_s <= target_prefill:
+    draft_decode = draft_s - (prefill - target_prefill)
+    target_decode = target_s - target_prefill
+    rest = sum(r["seconds"] for r in records) - prefill - target_decode - draft_decode
+    return {"prefill": prefill, "target": target_decode / target_calls,
+            "draft": draft_decode / draft_calls if draft_calls > 0 else 0.0,
+            "rest_per_step": rest / target_calls}
+
+
+def _ceiling(times: Optional[Dict[str, float]], new_tokens: int, drafted: Optional[float]) -> Optional[float]:
+    """The tokens/s of the same decodes had every step accepted all its drafts: the same prompt
+    forwards and per-forward times, new_tokens / (drafted + 1) steps of one verification and
+    `drafted` draft forwards each."""
+    if times is None or drafted is None:
         return None
-    per_draft = (draft_s - (prefill - target_prefill)) / draft_calls
-    return per_draft / ((target_s - target_prefill) / target_calls)
+    steps = new_tokens / (drafted + 1)
+    seconds = times["prefill"] + steps * (times["target"] + drafted * times["draft"] + times["rest_per_step"])
+    return new_tokens / seconds if seconds > 0 else None
 
 
 def summarize(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -71,6 +85,9 @@ def summarize(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
         accepted = float(sum(r["accepted_drafts"] for r in recs))
         steps = sum(r["verify_steps"] for r in recs)
         sd_rejected = [r.get("sd_rejected") for r in recs]
+        times = _forward_times(recs)
+        drafted = (0.0 if config.rule == "ar" else None if _stats_sum(recs, "drafted_tokens") is None
+                   else _stats_sum(recs, "drafted_tokens") / steps if steps else 0.0)
         if config.rule == "ar":
             share = 0.0
         elif any(v is None for v in sd_rejected):
@@ -88,9 +105,10 @@ def summarize(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
                                     if setup_s is not None and generate_s > setup_s else None),
             "draft_length": config.draft_length,
             "mean_accepted": accepted / steps if steps else 0.0,
-            "mean_drafted": (None if config.rule == "ar" or _stats_sum(recs, "drafted_tokens") is None
-                             else _stats_sum(recs, "drafted_tokens") / steps if steps else 0.0),
-            "draft_cost_ratio": None if config.rule == "ar" else _draft_cost_ratio(recs),
+            "mean_drafted": drafted,
+            "draft_cost_ratio": (times["draft"] / times["target"]
+                                 if times and config.rule != "ar" else None),
+            "ceiling_tokens_per_s": _ceiling(times, new_tokens, 0.0 if config.rule == "ar" else drafted),
             "tokens_per_target_call": new_tokens / target_calls if target_calls else float("nan"),
             "target_calls": target_calls, "draft_calls": sum(r["draft_calls"] for r in recs),
             "target_s": _sum_optional(r.get("target_seconds") for r in recs),
@@ -179,7 +197,7 @@ def _fmt(value, spec="{:.3f}"):
 
 def format_table(rows: Sequence[Dict[str, Any]]) -> str:
     header = ("config", "n", "pass@1", "tok/s", "xAR", "xSD", "acc/step", "drafted", "tok/tcall",
-              "cost", "tcalls", "dcalls", "SD-rej%", "=SD", "pareto")
+              "cost", "ceiling", "tcalls", "dcalls", "SD-rej%", "=SD", "pareto")
     lines = [header]
     for r in rows:
         share = r["sd_rejected_share"]
@@ -188,7 +206,8 @@ def format_table(rows: Sequence[Dict[str, Any]]) -> str:
                       _fmt(r["speedup_vs_sd"], "{:.2f}"), _fmt(r["mean_accepted"], "{:.2f}"),
                       _fmt(r.get("mean_drafted"), "{:.2f}"),
                       _fmt(r["tokens_per_target_call"], "{:.2f}"),
-                      _fmt(r.get("draft_cost_ratio"), "{:.2f}"), str(r["target_calls"]),
+                      _fmt(r.get("draft_cost_ratio"), "{:.2f}"),
+                      _fmt(r.get("ceiling_tokens_per_s"), "{:.2f}"), str(r["target_calls"]),
                       str(r["draft_calls"]), "-" if share is None else f"{100 * share:.1f}",
                       _fmt(r.get("same_as_sd"), "{:.0%}"), "*" if r["pareto"] else ""))
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
