@@ -22,3 +22,15 @@ def fops():
 
     ops._ops()  # raises ImportError with a clear message when the extension is not built
     return ops
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run far faster on one thread (no OpenMP hand-offs), above all on a busy machine.
+    A module opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

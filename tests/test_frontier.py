@@ -463,15 +463,6 @@ transformers = pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny models run fastest on one thread (and do not crawl when the machine is busy)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class ByteTokenizer:
     """Bytes are ids 0..255, EOS is 256; no chat template."""
 

@@ -26,13 +26,7 @@ def tiny_llama(seed, layers=2, vocab=VOCAB, logit_scale=1.0, dtype=torch.float32
     return helpers.tiny_llama(seed, layers, vocab=vocab, logit_scale=logit_scale, dtype=dtype)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run far faster on one thread (no OpenMP hand-offs), above all on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
