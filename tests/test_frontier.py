@@ -160,6 +160,7 @@ def test_draft_length_configs_and_specs():
     assert parse_config("sd:heuristic", **common).key == "sd/K=5/heuristic/greedy"
     assert parse_config("fsd:js:0.2:acceptance:K=8", **common).key == "fsd/js/T=0.2/K=8/acceptance/greedy"
     assert parse_config("sd:K=3", **common).generate_kwargs()["num_draft_tokens"] == 3
+    assert parse_config("fsd:js:0.2:acceptance:K=8", **common).label == "FSD js T=0.2 (acceptance) K=8"
     for bad in ("fsd:js", "fsd:js:x", "sd:sometimes", "ar:heuristic", "sd:heuristic:fixed", "beam",
                 "sd:K=x", "sd:K=0"):
         with pytest.raises(ValueError):

@@ -82,6 +82,8 @@ class Config:
         if self.rule == "ar":
             return "AR"
         length = "" if self.draft_length == "fixed" else f" ({self.draft_length})"
+        if self.num_draft_tokens != 5:  # the sweep's default K goes unsaid
+            length += f" K={self.num_draft_tokens}"
         if self.rule == "sd":
             return "SD" + length
         name = "FSD" if self.rule == "fsd" else "FSD-strict"
