@@ -63,6 +63,15 @@ _ACCEPTANCE_PRIOR = (3.0, 4.0)  # (accepted, tested)
 _ACCEPTANCE_DECAY = 0.8  # per step: the estimate follows the last ~5 steps
 
 
+def seconds_per_decode_forward(seconds: float, prompt_seconds: float, forwards: int,
+                               prompts: int = 1) -> float:
+    """A model's mean seconds per forward after its prompt forwards: `forwards` calls took `seconds`,
+    `prompts` of them the prompt forwards' `prompt_seconds` (0.0 when no other forward ran). Shared
+    by GenerateStats and the bench summary, which pools it over decodes."""
+    decode_forwards = forwards - prompts
+    return (seconds - prompt_seconds) / decode_forwards if decode_forwards > 0 else 0.0
+
+
 @dataclass
 class GenerateStats:
     """What a generate() call did. Counts are of model calls (one call = one forward of the batch)."""
@@ -116,11 +125,10 @@ class GenerateStats:
     def draft_cost_ratio(self) -> float:
         """A draft forward's time over a target verification's, prompt forwards left out: the
         `draft_cost` that draft_length="acceptance" assumes, as measured (0 without drafts)."""
-        draft_prefill = self.prefill_seconds - self.target_prefill_seconds
-        if self.draft_forwards < 2 or self.target_forwards < 2:
-            return 0.0
-        per_draft = (self.draft_seconds - draft_prefill) / (self.draft_forwards - 1)
-        per_target = (self.target_seconds - self.target_prefill_seconds) / (self.target_forwards - 1)
+        per_draft = seconds_per_decode_forward(
+            self.draft_seconds, self.prefill_seconds - self.target_prefill_seconds, self.draft_forwards)
+        per_target = seconds_per_decode_forward(
+            self.target_seconds, self.target_prefill_seconds, self.target_forwards)
         return per_draft / per_target if per_target > 0 else 0.0
 
     @property

@@ -10,6 +10,7 @@ import os
 from collections import defaultdict
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
+from ..generate import seconds_per_decode_forward
 from .grid import Config
 
 SUMMARY_FIELDS = (
@@ -41,16 +42,18 @@ def _forward_times(records) -> Optional[Dict[str, float]]:
     prefill, target_prefill = _stats_sum(records, "prefill_seconds"), _stats_sum(records, "target_prefill_seconds")
     target_s = _sum_optional(r.get("target_seconds") for r in records)
     draft_s = _sum_optional(r.get("draft_seconds") or 0.0 for r in records)
-    target_calls = sum(r["target_calls"] - 1 for r in records)
-    if None in (prefill, target_prefill, target_s) or target_calls <= 0 or target_s <= target_prefill:
+    steps = sum(r["target_calls"] - 1 for r in records)
+    if None in (prefill, target_prefill, target_s) or steps <= 0 or target_s <= target_prefill:
         return None
-    draft_calls = sum(r["draft_calls"] - 1 for r in records if r["draft_calls"])
-    draft_decode = draft_s - (prefill - target_prefill)
-    target_decode = target_s - target_prefill
-    rest = sum(r["seconds"] for r in records) - prefill - target_decode - draft_decode
-    return {"prefill": prefill, "target": target_decode / target_calls,
-            "draft": draft_decode / draft_calls if draft_calls > 0 else 0.0,
-            "rest_per_step": rest / target_calls}
+    drafting = [r for r in records if r["draft_calls"]]
+    # What neither model's forwards took: the loop, accept, sampling.
+    rest = sum(r["seconds"] for r in records) - target_s - draft_s
+    return {"prefill": prefill,
+            "target": seconds_per_decode_forward(target_s, target_prefill,
+                                                 sum(r["target_calls"] for r in records), len(records)),
+            "draft": seconds_per_decode_forward(draft_s, prefill - target_prefill,
+                                                sum(r["draft_calls"] for r in drafting), len(drafting)),
+            "rest_per_step": rest / steps}
 
 
 def _ceiling(times: Optional[Dict[str, float]], new_tokens: int, drafted: Optional[float]) -> Optional[float]:
