@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_linear/int8_gemm.h"
 #include "cpu_linear/quant_gemm.h"
 #include "cpu_linear/skinny_gemm.h"
 
@@ -155,6 +156,68 @@ Tensor quant_dequantize_cpu(const Tensor& codes, const Tensor& params, int64_t f
   return out;
 }
 
+// A weight in int8_gemm.h's layout: uint8 [ceil(out_features / 16), tile bytes], contiguous, for a
+// matrix [out_features, in] whose `in` the tile size gives.
+Int8Weights int8_weights(const char* op, const Tensor& weight, int64_t format, int64_t out_features) {
+  TORCH_CHECK(format >= 0 && format < kInt8FormatCount, op, ": format must be 0 (Q4_K), 1 (Q6_K), 2 (Q5_0) or 3 (Q8_0), got ",
+              format);
+  const auto f = static_cast<Int8Format>(format);
+  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
+              op, ": weight must be a contiguous uint8 CPU tensor [tiles, tile bytes], got ", weight.scalar_type(), " ",
+              weight.sizes(), " on ", weight.device());
+  const int64_t block_bytes = int8_block_bytes(f);
+  TORCH_CHECK(weight.size(1) >= block_bytes && weight.size(1) % block_bytes == 0, op, ": a tile of format ", format,
+              " holds whole blocks of ", block_bytes, " bytes, got tiles of ", weight.size(1));
+  TORCH_CHECK(out_features >= 1 && (out_features + kTileRows - 1) / kTileRows == weight.size(0), op,
+              ": out_features must be in (", kTileRows * (weight.size(0) - 1), ", ", kTileRows * weight.size(0), "] for ",
+              weight.size(0), " tiles of ", kTileRows, " rows, got ", out_features);
+  return {weight.data_ptr<uint8_t>(), f, weight.size(1) / block_bytes * int8_block_cols(f), out_features};
+}
+
+// x [..., in] (float32; other floating dtypes are computed in float32 and cast back) times the
+// weight's transpose (+ bias float32 [out]), x quantised to int8 per group of 32 (int8_gemm.h).
+Tensor int8_linear_cpu(const Tensor& x, const Tensor& weight, int64_t format, int64_t out_features,
+                       const OptTensor& bias) {
+  const char* op = "int8_linear";
+  const Int8Weights w = int8_weights(op, weight, format, out_features);
+  TORCH_CHECK(x.device().is_cpu() && at::isFloatingType(x.scalar_type()), op, ": x must be a floating CPU tensor, got ",
+              x.scalar_type(), " on ", x.device());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == w.in, op, ": x must be [..., ", w.in, "] to match the weight [", w.out, ", ",
+              w.in, "], got ", x.sizes());
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == w.out && bias->device().is_cpu(),
+                op, ": bias must be a float32 [", w.out, "] CPU tensor, got ", bias->scalar_type(), " ", bias->sizes());
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = w.out;
+  const int64_t rows = x.numel() / w.in;
+  Tensor y = at::empty({rows, w.out}, x.options().dtype(at::kFloat));
+  if (rows > 0) {
+    const Tensor x_rows = x.reshape({rows, w.in}).to(at::kFloat).contiguous();
+    Tensor quantised = at::empty({rows * int8_act_row_bytes(w.in)}, x.options().dtype(at::kByte));
+    int8_quantize(x_rows.data_ptr<float>(), w.in, rows, w.in, quantised.data_ptr<uint8_t>(), Int8Path::Best,
+                  torch_parallel_for);
+    const Tensor bias_c = bias.has_value() ? bias->contiguous() : Tensor();
+    Int8Gemm problem;
+    problem.w = w;
+    problem.x = quantised.data_ptr<uint8_t>();
+    problem.bias = bias_c.defined() ? bias_c.data_ptr<float>() : nullptr;
+    problem.y = y.data_ptr<float>();
+    problem.y_stride = w.out;
+    problem.rows = rows;
+    int8_gemm(problem, torch_parallel_for);
+  }
+  return (x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type())).view(shape);
+}
+
+// The weight as float32 [out_features, in]: the values of gguf's own dequantisation.
+Tensor int8_dequantize_cpu(const Tensor& weight, int64_t format, int64_t out_features) {
+  const Int8Weights w = int8_weights("int8_dequantize", weight, format, out_features);
+  Tensor out = at::empty({w.out, w.in}, weight.options().dtype(at::kFloat));
+  int8_dequantize(w, 0, w.out, out.data_ptr<float>(), torch_parallel_for);
+  return out;
+}
+
 }  // namespace
 }  // namespace fsd_cpu_linear
 
@@ -168,6 +231,12 @@ TORCH_LIBRARY(fsd_cpu_linear, m) {
   m.def("quant_linear(Tensor x, Tensor codes, Tensor params, int format, int out_features, Tensor? bias) -> Tensor");
   m.def("quant_dequantize(Tensor codes, Tensor params, int format, int out_features, ScalarType? dtype=None) -> Tensor");
   // Which loops quant_linear runs on this CPU: "avx512", "avx2" or "portable".
+  m.def("int8_linear(Tensor x, Tensor weight, int format, int out_features, Tensor? bias) -> Tensor");
+  m.def("int8_dequantize(Tensor weight, int format, int out_features) -> Tensor");
+  // Which loops int8_linear runs on this CPU: "avx512-vnni" or "portable".
+  m.def("int8_linear_path() -> str", [] {
+    return std::string(fsd_cpu_linear::int8_vnni_available() ? "avx512-vnni" : "portable");
+  });
   m.def("quant_linear_path() -> str", [] {
     return std::string(fsd::cpu::quant_avx512_available() ? "avx512"
                        : fsd::cpu::avx2_available() ? "avx2" : "portable");
@@ -178,4 +247,6 @@ TORCH_LIBRARY_IMPL(fsd_cpu_linear, CPU, m) {
   m.impl("skinny_linear", &fsd_cpu_linear::skinny_linear_cpu);
   m.impl("quant_linear", &fsd_cpu_linear::quant_linear_cpu);
   m.impl("quant_dequantize", &fsd_cpu_linear::quant_dequantize_cpu);
+  m.impl("int8_linear", &fsd_cpu_linear::int8_linear_cpu);
+  m.impl("int8_dequantize", &fsd_cpu_linear::int8_dequantize_cpu);
 }
