@@ -372,15 +372,26 @@ def resolve(name_or_path: str) -> str:
     return str(folder)
 
 
-def gguf_linears_cache(gguf: Path) -> Path:
-    """Where the repacked linear weights of a GGUF file are cached (gguf_weights)."""
+def gguf_linears_cache(gguf: Path, activations: str = "float32") -> Path:
+    """Where the repacked linear weights of a GGUF file are cached (gguf_weights), one file per
+    layout: float32 activations' (QuantWeightLinear) and int8 activations' (QuantInt8Linear)."""
     digest = hashlib.sha1(str(gguf.resolve()).encode()).hexdigest()[:10]
-    return cache_dir() / "gguf-linears" / f"{gguf.stem}-{digest}.safetensors"
+    suffix = "-int8" if activations == "int8" else ""
+    return cache_dir() / "gguf-linears" / f"{gguf.stem}-{digest}{suffix}.safetensors"
+
+
+def default_activations(device: str) -> str:
+    """The activations of a GGUF checkpoint's own linear weights when none are given: "int8" where
+    the CPU has the int8 kernel's vector path (AVX512-VNNI; cpu_linear.int8_linear_path), else
+    "float32"."""
+    from . import cpu_linear
+
+    return "int8" if str(device) == "cpu" and cpu_linear.int8_linear_path() == "avx512-vnni" else "float32"
 
 
 def load(name_or_path: str, dtype="auto", device: str = "cpu",
          convert: bool = True, gguf_file: Optional[str] = None,
-         attn_implementation: str = "sdpa", linear_weights="auto", cpu_linears="auto"):
+         attn_implementation: str = "sdpa", linear_weights="auto", cpu_linears="auto", activations="auto"):
     """-> (model in eval mode, tokenizer) for a built-in name (BUILTIN), an HF directory or hub id,
     or a path to a .gguf file.
 
@@ -395,12 +406,17 @@ def load(name_or_path: str, dtype="auto", device: str = "cpu",
     "gguf" for a GGUF checkpoint, the linear layers reading the file's own quantised codes
     (cpu_linear.gguf_weights.load_gguf_linear_weights; the repacked codes are cached, see
     gguf_linears_cache). Pass dtype=torch.float32, linear_weights=None for the plain float32 model.
+    activations: with linear_weights="gguf", "float32" (the exact weights times float32 activations),
+    "int8" (activations quantised to int8 per 32 features, int8 dot products: cpu_linear.QuantInt8Linear)
+    or "auto" (default_activations).
     cpu_linears: "auto" (on a CPU where it pays off: cpu_linear.skinny_pays_off), True or False:
     the model's remaining nn.Linear modules compute few-row products with fsd_ext's CPU kernel
     (cpu_linear.use_skinny_cpu_linears; same math, another float rounding than F.linear).
     """
     if cpu_linears not in ("auto", True, False):
         raise ValueError(f"cpu_linears must be 'auto', True or False, got {cpu_linears!r}")
+    if activations not in ("auto", "float32", "int8"):
+        raise ValueError(f"activations must be 'auto', 'float32' or 'int8', got {activations!r}")
     dtype, linear_weights = resolve_load_options(name_or_path, device, dtype, linear_weights)
     float32_cpu = dtype == torch.float32 and str(device) == "cpu"
     if linear_weights not in (None, dtype) and not (linear_weights in (torch.bfloat16, "gguf") and float32_cpu):
@@ -435,7 +451,10 @@ def load(name_or_path: str, dtype="auto", device: str = "cpu",
         store_linear_weights_bfloat16(model)
     elif linear_weights == "gguf":
         from .cpu_linear.gguf_weights import load_gguf_linear_weights
-        load_gguf_linear_weights(model, gguf, cache_path=gguf_linears_cache(gguf), verify="file")
+        if activations == "auto":
+            activations = default_activations(device)
+        load_gguf_linear_weights(model, gguf, cache_path=gguf_linears_cache(gguf, activations), verify="file",
+                                 activations=activations)
     from . import cpu_linear
 
     if cpu_linears is True or (cpu_linears == "auto" and str(device) == "cpu" and cpu_linear.skinny_pays_off(dtype)):

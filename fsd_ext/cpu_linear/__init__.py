@@ -53,6 +53,15 @@ if _IMPORT_ERROR is None:  # fake kernels: output shapes for torch.compile and F
     def _quant_linear_fake(x, codes, params, format, out_features, bias):
         return x.new_empty((*x.shape[:-1], out_features))
 
+    @torch.library.register_fake("fsd_cpu_linear::int8_linear")
+    def _int8_linear_fake(x, weight, format, out_features, bias):
+        return x.new_empty((*x.shape[:-1], out_features))
+
+    @torch.library.register_fake("fsd_cpu_linear::int8_dequantize")
+    def _int8_dequantize_fake(weight, format, out_features):
+        block_cols, block_bytes = list(INT8_LAYOUT.values())[format]
+        return weight.new_empty((out_features, weight.shape[1] // block_bytes * block_cols), dtype=torch.float32)
+
     @torch.library.register_fake("fsd_cpu_linear::quant_dequantize")
     def _quant_dequantize_fake(codes, params, format, out_features, dtype=None):
         group = QUANT_GROUP_SIZE[format]
@@ -249,6 +258,61 @@ class QuantWeightLinear(torch.nn.Module):
         if _native_op() is not None and self.codes.device.type == "cpu":
             return self._dequantized_rows(0, self.out_features)
         return dequantize_torch(self.codes, self.params, self.format, self.out_features)
+
+
+class QuantInt8Linear(torch.nn.Module):
+    """A linear layer holding a GGUF file's own codes (Q4_K, Q6_K, Q5_0 or Q8_0) in the tile layout
+    of csrc/cpu_linear/int8_gemm.h (made by gguf_weights.load_gguf_linear_weights with
+    activations="int8"), multiplied with x quantised to int8 per group of 32 features by the CPU's
+    int8 dot-product instruction (AVX512-VNNI; portable loops elsewhere). About the file's own size
+    (0.58 bytes a weight for Q4_K, 0.82 Q6_K, 0.69 Q5_0, 1.06 Q8_0), any number of rows (decoding
+    steps and prompts alike), and each row's result independent of the other rows in the call.
+
+    packed: uint8 [ceil(out / 16), tile bytes]; bias: float32 [out] or None. Output float32 (another
+    floating dtype is computed in float32 and cast back). Autograd, other devices and builds without
+    the extension multiply the float32 weights (dequantized_weight: exactly gguf's values).
+    """
+
+    def __init__(self, packed: torch.Tensor, type_name: str, in_features: int, out_features: int,
+                 bias: Optional[torch.Tensor] = None):
+        super().__init__()
+        if type_name not in INT8_LAYOUT:
+            raise ValueError(f"type_name must be one of {sorted(INT8_LAYOUT)}, got {type_name!r}")
+        block_cols, block_bytes = INT8_LAYOUT[type_name]
+        shape = (-(-out_features // 16), in_features // block_cols * block_bytes)
+        if in_features % block_cols or tuple(packed.shape) != shape or packed.dtype != torch.uint8:
+            raise ValueError(f"packed must be uint8 {list(shape)} for a {type_name} [{out_features}, {in_features}] "
+                             f"weight, got {packed.dtype} {list(packed.shape)}")
+        self.type_name, self.in_features, self.out_features = type_name, in_features, out_features
+        self.format_id = list(INT8_LAYOUT).index(type_name)
+        self.register_buffer("packed", packed.contiguous())
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"format={self.type_name} (int8 activations), bias={self.bias is not None}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (_native_op() is not None and x.device.type == "cpu" and self.packed.device.type == "cpu"
+                and not (torch.is_grad_enabled() and x.requires_grad)):
+            return torch.ops.fsd_cpu_linear.int8_linear(x, self.packed, self.format_id, self.out_features, self.bias)
+        return F.linear(x, self.dequantized_weight().to(x), None if self.bias is None else self.bias.to(x))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 weight [out, in] on the CPU: exactly gguf's dequantisation of the file."""
+        return torch.ops.fsd_cpu_linear.int8_dequantize(self.packed.cpu(), self.format_id, self.out_features)
+
+
+# GGUF type -> (features per block, bytes per block of a 16-row tile) of int8_gemm.h's layout, in its
+# Int8Format order.
+INT8_LAYOUT = {"Q4_K": (256, 2368), "Q6_K": (256, 3360), "Q5_0": (32, 352), "Q8_0": (32, 544)}
+
+
+@functools.lru_cache(maxsize=None)
+def int8_linear_path() -> str:
+    """The loops QuantInt8Linear runs on this CPU: "avx512-vnni" or "portable" ("" without the
+    compiled extension)."""
+    return str(torch.ops.fsd_cpu_linear.int8_linear_path()) if _native_op() is not None else ""
 
 
 _QUANT_FORMAT_ID = {"q4": 0, "q8": 1, "q8g32": 2}

@@ -181,6 +181,112 @@ def pack(unpacked: Unpacked) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 # ----------------------------------------------------------------------------------------------
+# GGUF blocks -> the int8-activation kernel's tiles (csrc/cpu_linear/int8_gemm.h): the file's own
+# codes, bits and float16 scales, rearranged so that one 64-byte load gives the 16 rows of a tile
+# four adjacent features each. Unsigned codes u; the file's signed ones shifted by the format's zero.
+
+INT8_FORMATS = {"Q4_K": 0, "Q6_K": 1, "Q5_0": 2, "Q8_0": 3}  # GGUF type -> int8_gemm.h's Int8Format
+TILE_ROWS = 16
+
+
+def _tile_rows(a: np.ndarray) -> np.ndarray:
+    """[out, ...] -> [tiles, 16, ...], padded with zero rows."""
+    pad = -a.shape[0] % TILE_ROWS
+    if pad:
+        a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), a.dtype)])
+    return a.reshape(-1, TILE_ROWS, *a.shape[1:])
+
+
+def _by_tile(per_row: np.ndarray) -> np.ndarray:
+    """[out, n, ...] values per row -> [tiles, n, 16 rows x ...] bytes (a tile's rows adjacent)."""
+    t = _tile_rows(per_row)
+    t = np.moveaxis(t, 1, 2)  # [tiles, n, 16, ...]
+    return np.ascontiguousarray(t).view(np.uint8).reshape(*t.shape[:2], -1)
+
+
+def _operand_order(codes: np.ndarray) -> np.ndarray:
+    """codes [out, groups, 32] -> [tiles, groups, 8 operands, 16 rows, 4 features]: operand j holds
+    features 4j..4j+3 of each row of the tile."""
+    t = _tile_rows(codes).reshape(-1, TILE_ROWS, codes.shape[1], 8, 4)
+    return t.transpose(0, 2, 3, 1, 4)
+
+
+def _nibbles_and_planes(u: np.ndarray, planes: int) -> np.ndarray:
+    """u [out, groups, 32] -> [tiles, groups, 256 + 64 planes]: chunk k's byte holds operand k's
+    code in its low nibble and operand k + 4's in its high one; plane p's bit (4 i + t) of qword j is
+    bit 4 + p of operand j's code."""
+    ops = _operand_order(u)
+    nibbles = (ops[:, :, :4] & 15) | ((ops[:, :, 4:] & 15) << 4)  # [tiles, groups, 4, 16, 4]
+    parts = [nibbles.reshape(*ops.shape[:2], 256)]
+    for plane in range(planes):
+        bits = ((ops >> (4 + plane)) & 1).reshape(*ops.shape[:3], 64)
+        parts.append(np.packbits(bits, axis=-1, bitorder="little").reshape(*ops.shape[:2], 64))
+    return np.concatenate(parts, axis=-1)
+
+
+def _float16_bytes(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The float16 at byte `start` of each block [out, n, bytes] -> [out, n] float16."""
+    return np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0]
+
+
+def _pack_int8_q4_k(blocks):  # [out, n, 144]
+    out, n, _ = blocks.shape
+    sc, m = _k_scales(blocks[..., 4:16].reshape(-1, 12))
+    qs = blocks[..., 16:144].reshape(out, n, 4, 1, 32)  # chunk c: low nibbles group 2c, high 2c + 1
+    u = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(out, n * 8, 32)
+    groups = np.concatenate([_nibbles_and_planes(u, 0),
+                             _by_tile(sc.astype(np.uint8).reshape(out, n * 8)),
+                             _by_tile(m.astype(np.uint8).reshape(out, n * 8))], axis=-1)
+    header = np.concatenate([_by_tile(_float16_bytes(blocks, 0)), _by_tile(_float16_bytes(blocks, 2))], axis=-1)
+    return header, groups
+
+
+def _pack_int8_q6_k(blocks):  # [out, n, 210]
+    out, n, _ = blocks.shape
+    codes, _, _ = _q6_k(blocks.reshape(-1, 210))
+    u = (codes.astype(np.int16) + 32).astype(np.uint8).reshape(out, n * 8, 32)
+    scales = blocks[..., 192:208].reshape(out, n * 8, 2)  # group g: features 0-15, then 16-31
+    groups = np.concatenate([_nibbles_and_planes(u, 2), _by_tile(scales[..., 0]), _by_tile(scales[..., 1])], axis=-1)
+    return _by_tile(_float16_bytes(blocks, 208)), groups
+
+
+def _pack_int8_q5_0(blocks):  # [out, n, 22]
+    out, n, _ = blocks.shape
+    codes, _, _ = _q5_0(blocks.reshape(-1, 22))
+    u = (codes.astype(np.int16) + 16).astype(np.uint8).reshape(out, n, 32)
+    return None, np.concatenate([_nibbles_and_planes(u, 1), _by_tile(_float16_bytes(blocks, 0))], axis=-1)
+
+
+def _pack_int8_q8_0(blocks):  # [out, n, 34]
+    out, n, _ = blocks.shape
+    u = blocks[..., 2:34] ^ np.uint8(0x80)  # int8 q -> q + 128
+    ops = _operand_order(np.ascontiguousarray(u))
+    return None, np.concatenate([ops.reshape(*ops.shape[:2], 512), _by_tile(_float16_bytes(blocks, 0))], axis=-1)
+
+
+_INT8_PACKERS = {"Q4_K": (256, 144, _pack_int8_q4_k), "Q6_K": (256, 210, _pack_int8_q6_k),
+                 "Q5_0": (32, 22, _pack_int8_q5_0), "Q8_0": (32, 34, _pack_int8_q8_0)}
+
+
+def pack_int8(raw: np.ndarray, type_name: str, in_features: int) -> torch.Tensor:
+    """A GGUF matrix's raw bytes ([out, bytes per row] uint8) of type `type_name` (one of
+    INT8_FORMATS) -> uint8 [ceil(out / 16), tile bytes] in int8_gemm.h's layout."""
+    if type_name not in _INT8_PACKERS:
+        raise ValueError(f"GGUF type {type_name} has no int8 layout (one of {', '.join(INT8_FORMATS)})")
+    block_weights, block_bytes, packer = _INT8_PACKERS[type_name]
+    out = raw.shape[0]
+    if in_features % block_weights or raw.shape[1] != in_features // block_weights * block_bytes:
+        raise ValueError(f"a {type_name} row of {in_features} weights takes "
+                         f"{in_features // block_weights * block_bytes} bytes, got {raw.shape[1]}")
+    header, groups = packer(np.asarray(raw).reshape(out, -1, block_bytes))
+    tiles, nblocks = groups.shape[0], in_features // block_weights
+    blocks = groups.reshape(tiles, nblocks, -1)
+    if header is not None:
+        blocks = np.concatenate([header, blocks], axis=-1)
+    return torch.from_numpy(np.ascontiguousarray(blocks.reshape(tiles, -1)))
+
+
+# ----------------------------------------------------------------------------------------------
 # A model's nn.Linear modules <- a GGUF file's tensors.
 
 @dataclass
@@ -237,21 +343,29 @@ def _llama_row_order(module_name: str, out: int, config) -> Optional[np.ndarray]
 
 
 def _repack_checked(tensor, type_name: str, weight: torch.Tensor, order: Optional[np.ndarray], verify: str,
-                    rows_per_chunk: int = 4096):
-    """The file's codes for `weight` repacked -> (codes, params, format), or None where they do not
-    give the module's weights (verify: see load_gguf_linear_weights). A chunk of rows at a time:
-    unpacking a whole output layer at once takes several times its codes in temporaries.
+                    int8: bool = False, rows_per_chunk: int = 4096):
+    """The file's codes for `weight` repacked -> (codes, params, format) for QuantWeightLinear, or with
+    int8 -> (packed, None, "int8") for QuantInt8Linear; None where they do not give the module's
+    weights (verify: see load_gguf_linear_weights). A chunk of rows at a time: unpacking a whole
+    output layer at once takes several times its codes in temporaries.
     order: the file's row of each of the module's rows (llama's q / k), or None."""
     import gguf
 
     out, in_features = weight.shape
     raw = np.asarray(tensor.data)
-    codes = params = None
-    for start in range(0, out, rows_per_chunk):  # (rows_per_chunk: a multiple of pack's 4-row blocks)
+    chunks = []
+    for start in range(0, out, rows_per_chunk):  # (rows_per_chunk: a multiple of both layouts' tiles)
         rows = slice(start, min(start + rows_per_chunk, out))
         source = raw[order[rows]] if order is not None else raw[rows]
-        unpacked = unpack(source, type_name, in_features)
-        ours = unpacked.dequantize()
+        if int8:
+            packed = pack_int8(source, type_name, in_features)
+            format_id = INT8_FORMATS[type_name]
+            ours = torch.ops.fsd_cpu_linear.int8_dequantize(packed, format_id, rows.stop - rows.start).numpy()
+            chunk = (packed,)
+        else:
+            unpacked = unpack(source, type_name, in_features)
+            ours = unpacked.dequantize()
+            chunk = pack(unpacked)
         if verify == "file":
             # the whole chunk against gguf-py; the module's weight at its first and last rows only
             same = np.array_equal(ours, gguf.quants.dequantize(source, tensor.tensor_type))
@@ -265,14 +379,10 @@ def _repack_checked(tensor, type_name: str, weight: torch.Tensor, order: Optiona
                                    weight.detach()[first:stop].cpu())
         if not same:
             return None
-        chunk_codes, chunk_params = pack(unpacked)
-        if codes is None:
-            blocks = -(-out // 4)
-            codes = torch.empty((blocks, *chunk_codes.shape[1:]), dtype=chunk_codes.dtype)
-            params = torch.empty((blocks, *chunk_params.shape[1:]), dtype=chunk_params.dtype)
-        codes[start // 4:start // 4 + chunk_codes.shape[0]] = chunk_codes
-        params[start // 4:start // 4 + chunk_params.shape[0]] = chunk_params
-    return codes, params, unpacked.format
+        chunks.append(chunk)
+    if int8:
+        return torch.cat([c[0] for c in chunks]), None, "int8"
+    return torch.cat([c[0] for c in chunks]), torch.cat([c[1] for c in chunks]), _TYPES[type_name][0]
 
 
 def release_file_pages(reader) -> None:
@@ -305,16 +415,21 @@ def _linear_modules(model):
 
 
 def _swap(model, name: str, module, codes, params, fmt: str, type_name: str, report: Report) -> None:
-    from . import QuantWeightLinear
+    """Replace `module` by a QuantInt8Linear (fmt "int8": codes is the packed tensor, params None) or
+    a QuantWeightLinear holding the repacked weight."""
+    from . import QuantInt8Linear, QuantWeightLinear
 
     weight = module.weight
     out, in_features = weight.shape
-    quant = QuantWeightLinear(codes, params, fmt, in_features, out, bias=module.bias, source=type_name)
+    if fmt == "int8":
+        quant = QuantInt8Linear(codes, type_name, in_features, out, bias=module.bias)
+    else:
+        quant = QuantWeightLinear(codes, params, fmt, in_features, out, bias=module.bias, source=type_name)
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, quant)
     report.replaced[name] = type_name
     report.bytes_before += weight.numel() * weight.element_size()
-    report.bytes_after += codes.numel() + params.numel() * 4
+    report.bytes_after += codes.numel() + (params.numel() * 4 if params is not None else 0)
 
 
 def _file_stamp(path: Path) -> Dict[str, str]:
@@ -322,7 +437,16 @@ def _file_stamp(path: Path) -> Dict[str, str]:
     return {"version": CACHE_VERSION, "gguf_size": str(stat.st_size), "gguf_mtime_ns": str(stat.st_mtime_ns)}
 
 
-CACHE_VERSION = "fsd_ext.gguf_linears/2"  # 2: Q5_0 and Q8_0 as q8g32 (were q8)
+CACHE_VERSION = "fsd_ext.gguf_linears/3"  # 3: the int8 layout's entries (fmt "int8")
+
+
+def _cached_rows(codes, params, fmt: str, type_name: str, block: int) -> torch.Tensor:
+    """Rows of block `block` (4 rows; a 16-row tile for "int8") of a cached weight, as float32."""
+    from . import INT8_LAYOUT, dequantize_torch
+
+    if fmt == "int8":
+        return torch.ops.fsd_cpu_linear.int8_dequantize(codes[block:block + 1], list(INT8_LAYOUT).index(type_name), 16)
+    return dequantize_torch(codes[block:block + 1], params[block:block + 1], fmt, 4)
 
 
 def _from_cache(model, cache_path: Path, gguf_path: Path, report: Report) -> bool:
@@ -331,8 +455,6 @@ def _from_cache(model, cache_path: Path, gguf_path: Path, report: Report) -> boo
     import json
 
     from safetensors import safe_open
-
-    from . import dequantize_torch
 
     if not cache_path.exists():
         return False
@@ -344,14 +466,16 @@ def _from_cache(model, cache_path: Path, gguf_path: Path, report: Report) -> boo
         modules = dict(_linear_modules(model))
         if not set(entries) <= set(modules):
             return False
-        loaded = {name: (cache.get_tensor(f"{name}.codes"), cache.get_tensor(f"{name}.params")) for name in entries}
+        loaded = {name: (cache.get_tensor(f"{name}.codes"),
+                         cache.get_tensor(f"{name}.params") if fmt != "int8" else None)
+                  for name, (_, fmt) in entries.items()}
     for name, (type_name, fmt) in entries.items():
         codes, params = loaded[name]
         weight = modules[name].weight.detach()
-        last = codes.shape[0] - 1
-        for block in (0, last):
-            rows = dequantize_torch(codes[block:block + 1], params[block:block + 1], fmt, 4)
-            expected = weight[4 * block:4 * block + 4]
+        rows_per_block = 16 if fmt == "int8" else 4
+        for block in (0, codes.shape[0] - 1):
+            rows = _cached_rows(codes, params, fmt, type_name, block)
+            expected = weight[rows_per_block * block:rows_per_block * (block + 1)]
             if not torch.equal(rows[:expected.shape[0]].to(weight.dtype), expected):
                 return False
     for name, (type_name, fmt) in entries.items():
@@ -367,11 +491,16 @@ def _write_cache(model, cache_path: Path, gguf_path: Path, report: Report) -> No
 
     from safetensors.torch import save_file
 
+    from . import QuantInt8Linear
+
     tensors, entries = {}, {}
     for name in report.replaced:
         module = model.get_submodule(name)
-        tensors[f"{name}.codes"], tensors[f"{name}.params"] = module.codes, module.params
-        entries[name] = (report.replaced[name], module.format)
+        if isinstance(module, QuantInt8Linear):
+            tensors[f"{name}.codes"], fmt = module.packed, "int8"
+        else:
+            tensors[f"{name}.codes"], tensors[f"{name}.params"], fmt = module.codes, module.params, module.format
+        entries[name] = (report.replaced[name], fmt)
     cache_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache_path.with_name(cache_path.name + ".tmp")
     save_file(tensors, str(tmp), metadata={**_file_stamp(gguf_path), "modules": json.dumps(entries),
@@ -380,11 +509,15 @@ def _write_cache(model, cache_path: Path, gguf_path: Path, report: Report) -> No
 
 
 def load_gguf_linear_weights(model: torch.nn.Module, gguf_path, cache_path=None, log: bool = True,
-                             verify: str = "model") -> Report:
+                             verify: str = "model", activations: str = "float32") -> Report:
     """Swap every CPU nn.Linear of `model` (a transformers model loaded from, or converted from,
     the GGUF file `gguf_path`) whose weight the file stores in a type of SUPPORTED_TYPES, and whose
-    float weight the file's codes reproduce exactly, for a cpu_linear.QuantWeightLinear holding those
-    codes (the module's weight is freed). In place; returns a Report.
+    float weight the file's codes reproduce exactly, for a module holding those codes (the module's
+    weight is freed). In place; returns a Report.
+
+    activations: "float32", a cpu_linear.QuantWeightLinear (float32 products of the exact weights);
+    "int8", a cpu_linear.QuantInt8Linear where the type has an int8 layout (INT8_FORMATS: x
+    quantised to int8 per 32 features, int8 dot products) and QuantWeightLinear for the other types.
 
     verify: "model" compares every repacked weight with the module's; "file", for a model whose
     weights were dequantised from this very file (models.load), compares them with gguf-py's
@@ -400,6 +533,8 @@ def load_gguf_linear_weights(model: torch.nn.Module, gguf_path, cache_path=None,
 
     if verify not in ("model", "file"):
         raise ValueError(f"verify must be 'model' or 'file', got {verify!r}")
+    if activations not in ("float32", "int8"):
+        raise ValueError(f"activations must be 'float32' or 'int8', got {activations!r}")
 
     start = time.perf_counter()
     gguf_path = Path(gguf_path)
@@ -427,7 +562,8 @@ def load_gguf_linear_weights(model: torch.nn.Module, gguf_path, cache_path=None,
         else:
             type_name = tensor.tensor_type.name
             order = _llama_row_order(name, out, model.config) if arch_name == "llama" else None
-            repacked = _repack_checked(tensor, type_name, weight, order, verify)
+            int8 = activations == "int8" and type_name in INT8_FORMATS
+            repacked = _repack_checked(tensor, type_name, weight, order, verify, int8=int8)
             release_file_pages(reader)
             if repacked is not None:
                 _swap(model, name, module, *repacked, type_name, report)

@@ -19,40 +19,10 @@ transformers = pytest.importorskip("transformers")
 from fsd_ext import cpu_linear, models  # noqa: E402
 from fsd_ext.cpu_linear import gguf_weights  # noqa: E402
 from fsd_ext.cpu_linear import MAX_ROWS, QuantWeightLinear, dequantize_torch  # noqa: E402
+from gguf_blocks import CODE_BYTE, MODEL_SIZED, bits, random_blocks  # noqa: E402
 
 needs_ext = pytest.mark.skipif(cpu_linear._IMPORT_ERROR is not None, reason="extension not built")
 QT = gguf.GGMLQuantizationType
-
-# Byte offsets of each type's float16 fields (set to finite values; every other bit pattern of a
-# block is a valid block).
-FLOAT16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q4_K": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q6_K": (208,)}
-
-
-# A byte of the first block holding (the low bits of) one code.
-CODE_BYTE = {"Q4_0": 5, "Q4_1": 7, "Q4_K": 20, "Q5_0": 10, "Q8_0": 10, "Q6_K": 3}
-
-
-# float16 fields of this size give weights of about a model's size (std ~0.01-0.05).
-MODEL_SIZED = {"Q4_0": 0.01, "Q4_1": 0.01, "Q4_K": 2e-4, "Q5_0": 5e-3, "Q8_0": 5e-4, "Q6_K": 3e-5}
-
-
-def random_blocks(type_name: str, rows: int, in_features: int, seed: int = 0, field_max: float = 0.05) -> np.ndarray:
-    """Random raw data of a [rows, in_features] matrix of `type_name`, as GGUFReader returns it
-    (its float16 fields uniform in +-field_max)."""
-    block_weights, block_bytes = gguf.GGML_QUANT_SIZES[QT[type_name]]
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(rows * in_features // block_weights, block_bytes), dtype=np.uint8)
-    for start in FLOAT16_FIELDS[type_name]:
-        values = rng.uniform(-field_max, field_max, size=blocks.shape[0]).astype(np.float16)
-        blocks[:, start:start + 2] = values.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, -1)
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    """Bit patterns, with -0.0 as +0.0 (gguf-py's d * (q - 8) is -0.0 for a negative d where the
-    kernel's fma(q, d, -8d) is +0.0: the same value in every sum and product)."""
-    return (np.ascontiguousarray(a, dtype=np.float32) + np.float32(0.0)).view(np.uint32)
-
 
 @pytest.mark.parametrize("type_name", gguf_weights.SUPPORTED_TYPES)
 def test_unpack_is_gguf_dequantize_to_the_bit(type_name):
@@ -409,6 +379,43 @@ def test_generate_gives_the_float_models_tokens(tmp_path):
     for rule in ("ar", "fsd"):
         out = generate(target, draft, ids, rule=rule, temperature=0.0, max_new_tokens=12, seed=0)
         assert torch.equal(out.sequences, expected[rule])
+
+
+def test_int8_activations_swap_the_types_with_an_int8_layout(tmp_path):
+    """activations="int8": Q4_K / Q6_K / Q5_0 / Q8_0 layers become QuantInt8Linear, the other types
+    QuantWeightLinear; the logits stay close to the float model's, the cache keeps the layout, and
+    greedy decoding runs (its tokens may differ from float32's: other arithmetic)."""
+    from fsd_ext import generate
+    from fsd_ext.cpu_linear import QuantInt8Linear
+
+    model = tiny_model("qwen2")
+    write_gguf(model, "qwen2", tmp_path / "tiny.gguf")
+    reference = tiny_model("qwen2")
+    reference.load_state_dict(model.state_dict())
+    cache = tmp_path / "int8.safetensors"
+    report = gguf_weights.load_gguf_linear_weights(model, tmp_path / "tiny.gguf", cache_path=cache, log=False,
+                                                   activations="int8")
+    kinds = {name: type(model.get_submodule(name)).__name__ for name in report.replaced}
+    assert kinds["model.layers.0.self_attn.q_proj"] == kinds["lm_head"] == "QuantInt8Linear"  # Q4_K, Q6_K
+    assert kinds["model.layers.0.self_attn.v_proj"] == kinds["model.layers.0.mlp.up_proj"] == "QuantInt8Linear"
+    assert kinds["model.layers.0.self_attn.o_proj"] == kinds["model.layers.0.mlp.gate_proj"] == "QuantWeightLinear"
+    ids = torch.randint(0, 320, (2, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        logits, expected = model(ids).logits, reference(ids).logits
+    assert (logits - expected).abs().max() < 0.05 * expected.abs().max()
+    again = tiny_model("qwen2")
+    again.load_state_dict(reference.state_dict())
+    second = gguf_weights.load_gguf_linear_weights(again, tmp_path / "tiny.gguf", cache_path=cache, log=False,
+                                                   activations="int8")
+    assert second.cached and second.replaced == report.replaced
+    for name in report.replaced:
+        layer = again.get_submodule(name)
+        if isinstance(layer, QuantInt8Linear):
+            assert torch.equal(layer.packed, model.get_submodule(name).packed)
+    out = generate(model, model, ids, rule="sd", temperature=0.0, max_new_tokens=8, seed=0)
+    assert torch.equal(out.sequences, generate(model, None, ids, rule="ar", temperature=0.0, max_new_tokens=8).sequences)
+    with pytest.raises(ValueError, match="activations must be"):
+        gguf_weights.load_gguf_linear_weights(again, tmp_path / "tiny.gguf", log=False, activations="int4")
 
 
 # ----------------------------------------------------------------------------------------------

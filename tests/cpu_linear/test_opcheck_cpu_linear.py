@@ -13,7 +13,7 @@ if cpu_linear._IMPORT_ERROR is not None:  # pragma: no cover
     pytest.skip("fsd_ext.cpu_linear._C is not built", allow_module_level=True)
 
 # Ops without tensor arguments (what the CPU offers): nothing for opcheck.
-TENSORLESS_OPS = {"skinny_linear_bf16_dot", "skinny_linear_avx2", "quant_linear_path"}
+TENSORLESS_OPS = {"skinny_linear_bf16_dot", "skinny_linear_avx2", "quant_linear_path", "int8_linear_path"}
 QUANT_FORMATS = {"q4": 0, "q8": 1, "q8g32": 2}  # format ids of the quant_* ops
 
 
@@ -42,6 +42,22 @@ def linear_cases():
         for dtype in (None, torch.bfloat16):
             yield f"quant_dequantize_{name}_{dtype}", (torch.ops.fsd_cpu_linear.quant_dequantize.default,
                                                         (codes, params, fmt, 10, dtype), None)
+    for format_id, (type_name, (block_cols, block_bytes)) in enumerate(cpu_linear.INT8_LAYOUT.items()):
+        packed = int8_weight(type_name, 20, 256)
+        yield f"int8_linear_{type_name}", (torch.ops.fsd_cpu_linear.int8_linear.default,
+                                           (torch.randn(3, 256), packed, format_id, 20, torch.randn(20)), None)
+        yield f"int8_dequantize_{type_name}", (torch.ops.fsd_cpu_linear.int8_dequantize.default,
+                                               (packed, format_id, 20), None)
+
+
+def int8_weight(type_name, out_features, in_features):
+    """A packed weight of int8_linear's layout from random GGUF blocks."""
+    from gguf_blocks import MODEL_SIZED, random_blocks
+
+    from fsd_ext.cpu_linear import gguf_weights
+
+    raw = random_blocks(type_name, out_features, in_features, field_max=MODEL_SIZED[type_name])
+    return gguf_weights.pack_int8(raw, type_name, in_features)
 
 
 LINEAR_CASES = dict(linear_cases())
