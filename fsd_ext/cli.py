@@ -34,7 +34,9 @@ def _describe_dtype(model) -> str:
 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     kind = linear_weights_kind(model)
-    if kind == "gguf":
+    if kind == "gguf-int8":
+        dtype += " (the GGUF file's quantised linear weights, int8 activations)"
+    elif kind == "gguf":
         dtype += " (the GGUF file's quantised linear weights)"
     elif kind:
         dtype += f" ({kind} linear weights)"
@@ -47,7 +49,8 @@ def _load_pair(args, need_draft: bool):
 
     def load(name):
         dtype, linear_weights = models.resolve_load_options(name, args.device, args.dtype, args.linear_weights)
-        return models.load(name, dtype=dtype, device=args.device, linear_weights=linear_weights)
+        return models.load(name, dtype=dtype, device=args.device, linear_weights=linear_weights,
+                           activations=args.activations)
 
     # Built-in checkpoints are converted (once) before either model loads, so that a conversion's
     # memory never adds to a loaded model's.
@@ -111,6 +114,11 @@ def _add_sampling_args(parser, temperature: float, threshold: bool = True):
                              "weights, 0.75-1.25 bytes each); same: the model's dtype. auto: gguf for "
                              "GGUF checkpoints where its kernel pays off, else bfloat16 where the CPU "
                              "linear kernel pays off in float32 (models.default_linear_weights)")
+    parser.add_argument("--activations", default="auto", choices=["auto", "float32", "int8"],
+                        help="with gguf linear weights: int8, activations quantised per 32 features and "
+                             "multiplied by int8 dot products (AVX512-VNNI); float32, the exact weights in "
+                             "float32 products. auto: int8 where the CPU has AVX512-VNNI "
+                             "(models.default_activations; docs/cpu.md has its fidelity)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--no-chat", dest="chat", action="store_false",
                         help="feed the prompt as is (default: the tokenizer's chat template)")

@@ -455,8 +455,14 @@ def load(name_or_path: str, dtype="auto", device: str = "cpu",
             activations = default_activations(device)
         load_gguf_linear_weights(model, gguf, cache_path=gguf_linears_cache(gguf, activations), verify="file",
                                  activations=activations)
+        if activations == "int8":
+            from .cpu_linear.fused import fuse_decoder_layers
+            fuse_decoder_layers(model)
     from . import cpu_linear
 
+    if str(device) == "cpu":
+        from .cpu_linear.attention import use_grouped_attention
+        use_grouped_attention(model)
     if cpu_linears is True or (cpu_linears == "auto" and str(device) == "cpu" and cpu_linear.skinny_pays_off(dtype)):
         cpu_linear.use_skinny_cpu_linears(model)
     return model, tokenizer

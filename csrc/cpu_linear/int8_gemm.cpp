@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define FSD_INT8_X86 1
@@ -469,14 +470,24 @@ void int8_dequantize(const Int8Weights& w, int64_t row_begin, int64_t row_end, f
   });
 }
 
-void int8_gemm(const Int8Gemm& g, const ParallelFor& parallel_for) {
-  const int64_t tiles = (g.w.out + kTileRows - 1) / kTileRows;
-  const TileFn tile_fn = select_tile(g);
-  parallel_for(tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile)
+void int8_gemm_many(const Int8Gemm* problems, int64_t count, const ParallelFor& parallel_for) {
+  std::vector<int64_t> first_tile(count + 1, 0);  // problem p's tiles: [first_tile[p], first_tile[p + 1])
+  std::vector<TileFn> tile_fns(count);
+  for (int64_t p = 0; p < count; ++p) {
+    first_tile[p + 1] = first_tile[p] + (problems[p].w.out + kTileRows - 1) / kTileRows;
+    tile_fns[p] = select_tile(problems[p]);
+  }
+  parallel_for(first_tile[count], 1, [&](int64_t begin, int64_t end) {
+    int64_t p = std::upper_bound(first_tile.begin(), first_tile.end(), begin) - first_tile.begin() - 1;
+    for (int64_t tile = begin; tile < end; ++tile) {
+      while (tile >= first_tile[p + 1]) ++p;
+      const Int8Gemm& g = problems[p];
       for (int64_t row0 = 0; row0 < g.rows; row0 += kPassRows)
-        tile_fn(g, tile, row0, (int)std::min<int64_t>(kPassRows, g.rows - row0));
+        tile_fns[p](g, tile - first_tile[p], row0, (int)std::min<int64_t>(kPassRows, g.rows - row0));
+    }
   });
 }
+
+void int8_gemm(const Int8Gemm& g, const ParallelFor& parallel_for) { int8_gemm_many(&g, 1, parallel_for); }
 
 }  // namespace fsd_cpu_linear

@@ -101,5 +101,8 @@ void int8_dequantize(const Int8Weights& w, int64_t row_begin, int64_t row_end, f
 
 // Parallel over tiles of output rows.
 void int8_gemm(const Int8Gemm& problem, const ParallelFor& parallel_for = serial_for);
+// Several products (of one x, as a layer's q, k and v projections) in one parallel region over
+// all their tiles.
+void int8_gemm_many(const Int8Gemm* problems, int64_t count, const ParallelFor& parallel_for = serial_for);
 
 }  // namespace fsd_cpu_linear

@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser):
     model.add_argument("--linear-weights", default="auto", choices=["auto", "same", "bfloat16", "gguf"],
                        help="the linear layers' weights, as in `fsd-ext generate` (auto: the GGUF "
                             "file's codes or bfloat16 for float32 CPU models where they pay off)")
+    model.add_argument("--activations", default="auto", choices=["auto", "float32", "int8"],
+                       help="with gguf linear weights, as in `fsd-ext generate` (auto: int8 with AVX512-VNNI)")
     model.add_argument("--device", default=None, help="cpu | cuda (None: cuda if available)")
     model.add_argument("--no-cuda-graphs", action="store_true", help="pass use_cuda_graphs=False")
 
@@ -197,10 +199,10 @@ def run_from_args(args, backend: Optional[Backend] = None) -> List[Dict[str, Any
             return []
     else:
         if backend is None:
-            target, tokenizer = load_model(args.target, dtype, device, args.linear_weights)
+            target, tokenizer = load_model(args.target, dtype, device, args.linear_weights, args.activations)
             # The same spec twice (a pipeline check: SD then accepts everything) shares one model.
             draft = (target if args.draft == args.target
-                     else load_model(args.draft, dtype, device, args.linear_weights)[0])
+                     else load_model(args.draft, dtype, device, args.linear_weights, args.activations)[0])
             backend = HFBackend(target, draft, tokenizer, max_new_tokens=args.max_new_tokens,
                                 use_chat=False if args.no_chat else None,
                                 check_sd=not args.no_sd_check,

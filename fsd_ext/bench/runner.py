@@ -368,11 +368,13 @@ def _run_one(config: Config, problem: Dict[str, str], backend: Backend, sid: str
     return record
 
 
-def load_model(spec: str, dtype: str = "float32", device: str = "cpu", linear_weights: str = "same"):
+def load_model(spec: str, dtype: str = "float32", device: str = "cpu", linear_weights: str = "same",
+               activations: str = "auto"):
     """(model, tokenizer) for a built-in name of fsd_ext.models (the offline Qwen2.5-Coder pair,
     SmolLM2: assembled, checked and converted once into a cache), a folder, a .gguf file, or a hub
     id (which needs a network or a local cache). linear_weights: "same" (the model's dtype),
-    "bfloat16", "gguf", or "auto" (models.resolve_load_options), as in `fsd-ext generate`."""
+    "bfloat16", "gguf", or "auto" (models.resolve_load_options), as in `fsd-ext generate`;
+    activations: "auto", "float32" or "int8" (models.load)."""
     from .. import models
     dtype, linear_weights = models.resolve_load_options(spec, device, dtype, linear_weights)
-    return models.load(spec, dtype=dtype, device=device, linear_weights=linear_weights)
+    return models.load(spec, dtype=dtype, device=device, linear_weights=linear_weights, activations=activations)

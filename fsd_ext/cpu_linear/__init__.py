@@ -57,6 +57,14 @@ if _IMPORT_ERROR is None:  # fake kernels: output shapes for torch.compile and F
     def _int8_linear_fake(x, weight, format, out_features, bias):
         return x.new_empty((*x.shape[:-1], out_features))
 
+    @torch.library.register_fake("fsd_cpu_linear::int8_linear_cat")
+    def _int8_linear_cat_fake(x, weights, formats, out_features, bias):
+        return x.new_empty((*x.shape[:-1], sum(out_features)))
+
+    @torch.library.register_fake("fsd_cpu_linear::rotate_half_")
+    def _rotate_half_fake(x, cos, sin, heads):
+        return None
+
     @torch.library.register_fake("fsd_cpu_linear::int8_dequantize")
     def _int8_dequantize_fake(weight, format, out_features):
         block_cols, block_bytes = list(INT8_LAYOUT.values())[format]
@@ -381,9 +389,13 @@ def set_prompt_dtype(model: torch.nn.Module, dtype: Optional[torch.dtype]) -> in
 
 
 def linear_weights_kind(model: torch.nn.Module) -> Optional[str]:
-    """"gguf" if some linear layer of `model` holds quantised codes (QuantWeightLinear), "bfloat16"
-    if some holds bfloat16 weights under float32 activations (Bfloat16WeightLinear), else None."""
+    """"gguf-int8" if some linear layer of `model` multiplies quantised codes with int8 activations
+    (QuantInt8Linear), "gguf" if some holds quantised codes under float32 activations
+    (QuantWeightLinear), "bfloat16" if some holds bfloat16 weights under float32 activations
+    (Bfloat16WeightLinear), else None."""
     kinds = {type(m) for m in model.modules()}
+    if QuantInt8Linear in kinds:
+        return "gguf-int8"
     if QuantWeightLinear in kinds:
         return "gguf"
     return "bfloat16" if Bfloat16WeightLinear in kinds else None

@@ -48,6 +48,13 @@ def linear_cases():
                                            (torch.randn(3, 256), packed, format_id, 20, torch.randn(20)), None)
         yield f"int8_dequantize_{type_name}", (torch.ops.fsd_cpu_linear.int8_dequantize.default,
                                                (packed, format_id, 20), None)
+    q4k, q6k = int8_weight("Q4_K", 20, 256), int8_weight("Q6_K", 12, 256)
+    yield "int8_linear_cat", (torch.ops.fsd_cpu_linear.int8_linear_cat.default,
+                              (torch.randn(2, 3, 256), [q4k, q6k], [0, 1], [20, 12], torch.randn(32)), None)
+    angles = torch.randn(2, 3, 4)
+    yield "rotate_half_", (torch.ops.fsd_cpu_linear.rotate_half_.default,
+                           (torch.randn(2, 3, 40), torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1),
+                            4), None)
 
 
 def int8_weight(type_name, out_features, in_features):
