@@ -118,6 +118,14 @@ class StaticKVCache:
         self.values[layer_idx].scatter_(2, index, value_states)
         return self.keys[layer_idx][:, :, :self.kv_len], self.values[layer_idx][:, :, :self.kv_len]
 
+    def layer_buffers(self, layer_idx: int):
+        """(keys, values, write_slots) of layer `layer_idx` ([B, H_kv, capacity, D] twice, [B, S]) for a
+        fused layer that writes its new entries itself (fsd_ext.cpu_linear.fused), or None until the
+        layer's first update allocated them."""
+        if layer_idx >= len(self.keys) or self.write_slots is None:
+            return None
+        return self.keys[layer_idx], self.values[layer_idx], self.write_slots
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return int(self.lengths.max()) if self.lengths.numel() else 0
 

@@ -10,7 +10,6 @@
 #include <string>
 #include <vector>
 
-#include "cpu_linear/int8_gemm.h"
 #include "cpu_linear/quant_gemm.h"
 #include "cpu_linear/skinny_gemm.h"
 
@@ -156,128 +155,6 @@ Tensor quant_dequantize_cpu(const Tensor& codes, const Tensor& params, int64_t f
   return out;
 }
 
-// A weight in int8_gemm.h's layout: uint8 [ceil(out_features / 16), tile bytes], contiguous, for a
-// matrix [out_features, in] whose `in` the tile size gives.
-Int8Weights int8_weights(const char* op, const Tensor& weight, int64_t format, int64_t out_features) {
-  TORCH_CHECK(format >= 0 && format < kInt8FormatCount, op, ": format must be 0 (Q4_K), 1 (Q6_K), 2 (Q5_0) or 3 (Q8_0), got ",
-              format);
-  const auto f = static_cast<Int8Format>(format);
-  TORCH_CHECK(weight.device().is_cpu() && weight.scalar_type() == at::kByte && weight.dim() == 2 && weight.is_contiguous(),
-              op, ": weight must be a contiguous uint8 CPU tensor [tiles, tile bytes], got ", weight.scalar_type(), " ",
-              weight.sizes(), " on ", weight.device());
-  const int64_t block_bytes = int8_block_bytes(f);
-  TORCH_CHECK(weight.size(1) >= block_bytes && weight.size(1) % block_bytes == 0, op, ": a tile of format ", format,
-              " holds whole blocks of ", block_bytes, " bytes, got tiles of ", weight.size(1));
-  TORCH_CHECK(out_features >= 1 && (out_features + kTileRows - 1) / kTileRows == weight.size(0), op,
-              ": out_features must be in (", kTileRows * (weight.size(0) - 1), ", ", kTileRows * weight.size(0), "] for ",
-              weight.size(0), " tiles of ", kTileRows, " rows, got ", out_features);
-  return {weight.data_ptr<uint8_t>(), f, weight.size(1) / block_bytes * int8_block_cols(f), out_features};
-}
-
-// x [..., in] (float32; other floating dtypes are computed in float32 and cast back) times the
-// transposes of weights[0], weights[1], ... side by side: y [..., sum of out_features] (+ bias
-// float32 [sum of out_features]). x is quantised to int8 per group of 32 once (int8_gemm.h), and all
-// products share one parallel region (a layer's q, k, v projections, or its gate and up ones).
-Tensor int8_linear_cat_cpu(const Tensor& x, at::TensorList weights, at::IntArrayRef formats,
-                           at::IntArrayRef out_features, const OptTensor& bias) {
-  const char* op = "int8_linear";
-  const int64_t count = (int64_t)weights.size();
-  TORCH_CHECK(count >= 1 && (int64_t)formats.size() == count && (int64_t)out_features.size() == count, op,
-              ": weights, formats and out_features must have the same length >= 1, got ", count, ", ",
-              formats.size(), " and ", out_features.size());
-  std::vector<Int8Weights> w;
-  int64_t total_out = 0;
-  for (int64_t p = 0; p < count; ++p) {
-    w.push_back(int8_weights(op, weights[p], formats[p], out_features[p]));
-    TORCH_CHECK(w[p].in == w[0].in, op, ": every weight must have the same in_features, got ", w[0].in, " and ",
-                w[p].in);
-    total_out += w[p].out;
-  }
-  const int64_t in = w[0].in;
-  TORCH_CHECK(x.device().is_cpu() && at::isFloatingType(x.scalar_type()), op, ": x must be a floating CPU tensor, got ",
-              x.scalar_type(), " on ", x.device());
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in, op, ": x must be [..., ", in, "] to match the weight [", total_out,
-              ", ", in, "], got ", x.sizes());
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == total_out &&
-                    bias->device().is_cpu(),
-                op, ": bias must be a float32 [", total_out, "] CPU tensor, got ", bias->scalar_type(), " ",
-                bias->sizes());
-  }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = total_out;
-  const int64_t rows = x.numel() / in;
-  Tensor y = at::empty({rows, total_out}, x.options().dtype(at::kFloat));
-  if (rows > 0) {
-    const Tensor x_rows = x.reshape({rows, in}).to(at::kFloat).contiguous();
-    Tensor quantised = at::empty({rows * int8_act_row_bytes(in)}, x.options().dtype(at::kByte));
-    int8_quantize(x_rows.data_ptr<float>(), in, rows, in, quantised.data_ptr<uint8_t>(), Int8Path::Best,
-                  torch_parallel_for);
-    const Tensor bias_c = bias.has_value() ? bias->contiguous() : Tensor();
-    std::vector<Int8Gemm> problems(count);
-    for (int64_t p = 0, column = 0; p < count; column += w[p].out, ++p) {
-      problems[p].w = w[p];
-      problems[p].x = quantised.data_ptr<uint8_t>();
-      problems[p].bias = bias_c.defined() ? bias_c.data_ptr<float>() + column : nullptr;
-      problems[p].y = y.data_ptr<float>() + column;
-      problems[p].y_stride = total_out;
-      problems[p].rows = rows;
-    }
-    int8_gemm_many(problems.data(), count, torch_parallel_for);
-  }
-  return (x.scalar_type() == at::kFloat ? y : y.to(x.scalar_type())).view(shape);
-}
-
-Tensor int8_linear_cpu(const Tensor& x, const Tensor& weight, int64_t format, int64_t out_features,
-                       const OptTensor& bias) {
-  return int8_linear_cat_cpu(x, {weight}, {format}, {out_features}, bias);
-}
-
-// Rotary position embedding in place on the first `heads` heads of x [B, S, heads' x D] (a layer's
-// fused q | k | v output: the q and k heads), as transformers' apply_rotary_pos_emb computes it:
-// x * cos + rotate_half(x) * sin, with cos and sin [B or 1, S, D] (the halves of each pair D / 2
-// apart). The same float operations in the same order, so the same bits.
-void rotate_half_cpu(Tensor& x, const Tensor& cos, const Tensor& sin, int64_t heads) {
-  const char* op = "rotate_half_";
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 3 && x.is_contiguous(), op,
-              ": x must be a contiguous float32 CPU tensor [B, S, N], got ", x.scalar_type(), " ", x.sizes());
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.scalar_type() == at::kFloat &&
-                  sin.scalar_type() == at::kFloat && cos.size(1) == x.size(1) &&
-                  (cos.size(0) == x.size(0) || cos.size(0) == 1) && cos.size(2) % 2 == 0,
-              op, ": cos and sin must be float32 [", x.size(0), " or 1, ", x.size(1), ", D] with D even, got ",
-              cos.sizes(), " and ", sin.sizes());
-  const int64_t dim = cos.size(2), half = dim / 2, batch = x.size(0), steps = x.size(1), width = x.size(2);
-  TORCH_CHECK(heads >= 0 && heads * dim <= width, op, ": heads x D must fit in x's last dimension ", width, ", got ",
-              heads, " x ", dim);
-  const Tensor c = cos.contiguous(), s = sin.contiguous();
-  float* data = x.data_ptr<float>();
-  const float *cos_p = c.data_ptr<float>(), *sin_p = s.data_ptr<float>();
-  at::parallel_for(0, batch * steps, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t at = (cos.size(0) == 1 ? row % steps : row) * dim;
-      const float *cr = cos_p + at, *sr = sin_p + at;
-      for (int64_t h = 0; h < heads; ++h) {
-        float* v = data + row * width + h * dim;
-        for (int64_t j = 0; j < half; ++j) {
-          const float first = v[j], second = v[j + half];
-          const float low_a = first * cr[j], low_b = -second * sr[j];
-          const float high_a = second * cr[j + half], high_b = first * sr[j + half];
-          v[j] = low_a + low_b;
-          v[j + half] = high_a + high_b;
-        }
-      }
-    }
-  });
-}
-
-// The weight as float32 [out_features, in]: the values of gguf's own dequantisation.
-Tensor int8_dequantize_cpu(const Tensor& weight, int64_t format, int64_t out_features) {
-  const Int8Weights w = int8_weights("int8_dequantize", weight, format, out_features);
-  Tensor out = at::empty({w.out, w.in}, weight.options().dtype(at::kFloat));
-  int8_dequantize(w, 0, w.out, out.data_ptr<float>(), torch_parallel_for);
-  return out;
-}
-
 }  // namespace
 }  // namespace fsd_cpu_linear
 
@@ -291,14 +168,6 @@ TORCH_LIBRARY(fsd_cpu_linear, m) {
   m.def("quant_linear(Tensor x, Tensor codes, Tensor params, int format, int out_features, Tensor? bias) -> Tensor");
   m.def("quant_dequantize(Tensor codes, Tensor params, int format, int out_features, ScalarType? dtype=None) -> Tensor");
   // Which loops quant_linear runs on this CPU: "avx512", "avx2" or "portable".
-  m.def("int8_linear(Tensor x, Tensor weight, int format, int out_features, Tensor? bias) -> Tensor");
-  m.def("int8_linear_cat(Tensor x, Tensor[] weights, int[] formats, int[] out_features, Tensor? bias) -> Tensor");
-  m.def("int8_dequantize(Tensor weight, int format, int out_features) -> Tensor");
-  m.def("rotate_half_(Tensor(a!) x, Tensor cos, Tensor sin, int heads) -> ()");
-  // Which loops int8_linear runs on this CPU: "avx512-vnni" or "portable".
-  m.def("int8_linear_path() -> str", [] {
-    return std::string(fsd_cpu_linear::int8_vnni_available() ? "avx512-vnni" : "portable");
-  });
   m.def("quant_linear_path() -> str", [] {
     return std::string(fsd::cpu::quant_avx512_available() ? "avx512"
                        : fsd::cpu::avx2_available() ? "avx2" : "portable");
@@ -309,8 +178,4 @@ TORCH_LIBRARY_IMPL(fsd_cpu_linear, CPU, m) {
   m.impl("skinny_linear", &fsd_cpu_linear::skinny_linear_cpu);
   m.impl("quant_linear", &fsd_cpu_linear::quant_linear_cpu);
   m.impl("quant_dequantize", &fsd_cpu_linear::quant_dequantize_cpu);
-  m.impl("int8_linear", &fsd_cpu_linear::int8_linear_cpu);
-  m.impl("int8_linear_cat", &fsd_cpu_linear::int8_linear_cat_cpu);
-  m.impl("rotate_half_", &fsd_cpu_linear::rotate_half_cpu);
-  m.impl("int8_dequantize", &fsd_cpu_linear::int8_dequantize_cpu);
 }

@@ -11,8 +11,13 @@ replaces, on each module instance:
 - the MLP's forward: gate and up in one int8_linear_cat call, silu(gate) * up, down;
 - RMSNorm's forward: F.rms_norm (one op; the same bits as the module's seven).
 
-Everything else (embedding, residual adds, the cache, masks, the output layer) is the model's own.
-The results are those of the unfused modules (tests compare them).
+- the decoder layer's forward, where all of the above are patched and the cache hands out its
+  buffers (fsd_ext.kv_cache.StaticKVCache.layer_buffers: fsd_ext.generate's decoding steps): the
+  whole layer in one op, decoder_layer (csrc/cpu_linear/torch_int8.cpp), which runs the same ops
+  without the Python between them. Other caches (transformers' own) take the modules' path.
+
+Everything else (embedding, the cache, masks, the output layer) is the model's own. The results are
+those of the unfused modules, bit for bit (tests compare them).
 """
 
 from __future__ import annotations
@@ -68,6 +73,34 @@ def _attention_forward(self, hidden_states: torch.Tensor, position_embeddings=No
     return self.o_proj(out.reshape(batch, steps, heads * dim)), None
 
 
+def _decoder_layer_forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None, cache=None,
+                           position_embeddings=None, **kwargs):
+    attention = self.self_attn
+    buffers = cache.layer_buffers(attention.layer_idx) if hasattr(cache, "layer_buffers") else None
+    if (buffers is None or attention_mask is None or attention_mask.dtype != torch.float32
+            or attention_mask.shape[-1] > buffers[0].shape[2] or hidden_states.dtype != torch.float32):
+        return type(self).forward(self, hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                  cache=cache, position_embeddings=position_embeddings, **kwargs)
+    keys, values, slots = buffers
+    heads, kv_heads, _ = attention._fsd_heads
+    cos, sin = position_embeddings
+    return torch.ops.fsd_cpu_linear.decoder_layer(
+        hidden_states, self.input_layernorm.weight, self.post_attention_layernorm.weight,
+        self.input_layernorm.variance_epsilon, *attention._fsd_qkv, attention.o_proj.packed,
+        attention.o_proj.format_id, attention.o_proj.bias, *self.mlp._fsd_gate_up[:3], self.mlp.down_proj.packed,
+        self.mlp.down_proj.format_id, self.mlp.down_proj.bias, cos, sin, keys, values, slots, attention_mask,
+        heads, kv_heads, attention.scaling)
+
+
+def _fusable_layer(layer) -> bool:
+    norms = [getattr(layer, name, None) for name in ("input_layernorm", "post_attention_layernorm")]
+    return ("forward" in getattr(layer, "self_attn", torch.nn.Module()).__dict__
+            and "forward" in getattr(layer, "mlp", torch.nn.Module()).__dict__
+            and getattr(layer.mlp, "_fsd_gate_up", (None,) * 4)[3] is None  # (no gate / up bias)
+            and all(type(n).__name__ in RMS_NORMS and n.weight.dtype == torch.float32 for n in norms)
+            and norms[0].variance_epsilon == norms[1].variance_epsilon)
+
+
 def _fusable_attention(attention) -> bool:
     projections = [getattr(attention, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     return (all(isinstance(p, QuantInt8Linear) for p in projections)
@@ -107,5 +140,9 @@ def fuse_decoder_layers(model: torch.nn.Module) -> int:
         elif name.endswith("MLP") and _fusable_mlp(module):
             module._fsd_gate_up = _cat_args([module.gate_proj, module.up_proj])
             module.forward = types.MethodType(_mlp_forward, module)
+            patched += 1
+    for module in model.modules():  # (after their attention and MLP modules)
+        if type(module).__name__.endswith("DecoderLayer") and _fusable_layer(module):
+            module.forward = types.MethodType(_decoder_layer_forward, module)
             patched += 1
     return patched

@@ -124,7 +124,7 @@ def test_fused_layers_give_the_models_own_results(tmp_path, arch):
     from fsd_ext import generate
 
     plain, fused = int8_model(arch, tmp_path), int8_model(arch, tmp_path)
-    assert fuse_decoder_layers(fused) == 2 * 2 + 2 * 2 + 1  # per layer 2 norms, attention, MLP; the final norm
+    assert fuse_decoder_layers(fused) == 2 * 5 + 1  # per layer 2 norms, attention, MLP, the layer; the final norm
     ids = torch.randint(0, 320, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(fused(ids).logits, plain(ids).logits)  # transformers' own cache and masks
@@ -132,7 +132,10 @@ def test_fused_layers_give_the_models_own_results(tmp_path, arch):
     for rule in ("ar", "sd"):
         kwargs = dict(rule=rule, temperature=0.0, max_new_tokens=10, num_draft_tokens=5)
         expected = generate(plain, draft, ids, **kwargs).sequences
-        assert torch.equal(generate(fused, draft, ids, **kwargs).sequences, expected)
+        with torch.profiler.profile() as profile:
+            assert torch.equal(generate(fused, draft, ids, **kwargs).sequences, expected)
+        # the decoding steps ran whole layers in one op (the prompt took the modules' path)
+        assert any(event.name == "fsd_cpu_linear::decoder_layer" for event in profile.events())
 
 
 def test_fusion_leaves_other_linear_layers_alone(tmp_path):
