@@ -61,6 +61,10 @@ if _IMPORT_ERROR is None:  # fake kernels: output shapes for torch.compile and F
     def _int8_linear_cat_fake(x, weights, formats, out_features, bias):
         return x.new_empty((*x.shape[:-1], sum(out_features)))
 
+    @torch.library.register_fake("fsd_cpu_linear::decoder_layer")
+    def _decoder_layer_fake(hidden, *args):
+        return torch.empty_like(hidden)
+
     @torch.library.register_fake("fsd_cpu_linear::rotate_half_")
     def _rotate_half_fake(x, cos, sin, heads):
         return None

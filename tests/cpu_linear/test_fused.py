@@ -148,3 +148,18 @@ def test_fusion_leaves_other_linear_layers_alone(tmp_path):
     assert patched == (5 if TRANSFORMERS_5 else 0)  # the RMSNorms only
     assert "forward" not in model.model.layers[0].self_attn.__dict__
     assert "forward" not in model.model.layers[0].mlp.__dict__
+
+
+def test_decoder_layer_checks_its_cache_arguments():
+    from test_opcheck_cpu_linear import decoder_layer_args
+
+    args = list(decoder_layer_args())
+    torch.ops.fsd_cpu_linear.decoder_layer(*args)
+    for index, value, match in [(21, torch.tensor([[0, 5]]), r"slots must be in \[0, 5\)"),
+                                (22, torch.zeros(1, 1, 3, 5), r"mask must be float32 \[1, 1, 2, L <= 8\]"),
+                                (19, torch.zeros(1, 3, 8, 64), r"keys and values must be float32 \[1, 2, capacity, 64\]"),
+                                (23, 3, "heads must be a multiple of kv_heads")]:
+        bad = list(args)
+        bad[index] = value
+        with pytest.raises(RuntimeError, match=match):
+            torch.ops.fsd_cpu_linear.decoder_layer(*bad)

@@ -51,10 +51,27 @@ def linear_cases():
     q4k, q6k = int8_weight("Q4_K", 20, 256), int8_weight("Q6_K", 12, 256)
     yield "int8_linear_cat", (torch.ops.fsd_cpu_linear.int8_linear_cat.default,
                               (torch.randn(2, 3, 256), [q4k, q6k], [0, 1], [20, 12], torch.randn(32)), None)
+    yield "decoder_layer", (torch.ops.fsd_cpu_linear.decoder_layer.default, decoder_layer_args(), None)
     angles = torch.randn(2, 3, 4)
     yield "rotate_half_", (torch.ops.fsd_cpu_linear.rotate_half_.default,
                            (torch.randn(2, 3, 40), torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1),
                             4), None)
+
+
+def decoder_layer_args(batch=1, steps=2, width=256, heads=4, kv_heads=2, dim=64, capacity=8, length=5):
+    """Arguments of decoder_layer for a random layer (Q4_K and Q6_K weights) and cache."""
+    g = torch.Generator().manual_seed(0)
+    qkv = [int8_weight("Q4_K", out, width) for out in (heads * dim, kv_heads * dim, kv_heads * dim)]
+    angles = torch.randn(1, steps, dim // 2, generator=g)
+    mask = torch.zeros(batch, 1, steps, length)
+    mask[..., -1] = torch.finfo(torch.float32).min
+    return (torch.randn(batch, steps, width, generator=g), torch.rand(width) + 0.5, torch.rand(width) + 0.5, 1e-6,
+            qkv, [0, 0, 0], [heads * dim, kv_heads * dim, kv_heads * dim], torch.randn((heads + 2 * kv_heads) * dim),
+            int8_weight("Q4_K", width, heads * dim), 0, None, [int8_weight("Q4_K", 512, width)] * 2, [0, 0],
+            [512, 512], int8_weight("Q6_K", width, 512), 1, None, torch.cat([angles.cos()] * 2, -1),
+            torch.cat([angles.sin()] * 2, -1), torch.zeros(batch, kv_heads, capacity, dim),
+            torch.zeros(batch, kv_heads, capacity, dim), torch.tensor([[length - 2, length - 1]] * batch), mask,
+            heads, kv_heads, dim ** -0.5)
 
 
 def int8_weight(type_name, out_features, in_features):
