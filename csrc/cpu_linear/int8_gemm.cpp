@@ -251,6 +251,7 @@ void dequantize_portable(const Int8Weights& w, int64_t row_begin, int64_t row_en
 // -Wmaybe-uninitialized reports at every use; the instructions are the plain ones.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 constexpr __mmask16 kAll16 = 0xFFFF;
 

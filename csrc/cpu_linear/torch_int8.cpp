@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_linear/decode_ops.h"
 #include "cpu_linear/int8_gemm.h"
 
 namespace fsd_cpu_linear {
@@ -147,7 +148,8 @@ Tensor int8_dequantize_cpu(const Tensor& weight, int64_t format, int64_t out_fea
 // (int8 products), rotary embedding, the new keys and values written into the cache at `slots`,
 // grouped-query attention over the cache's first L slots (L = mask's last size), o_proj and the
 // residual, RMSNorm, gate|up, silu(gate) * up, down and the residual. What fused.py's modules compute
-// op by op, less the Python and dispatch between them.
+// op by op, less the Python and dispatch between them; norms and attention by decode_ops.h's loops
+// (each token's result independent of the step's other tokens; not SDPA's summation order).
 // hidden [B, S, H] float32; keys / values [B, H_kv, capacity, D] (the layer's cache, written in
 // place); slots [B, S] int64; mask [B, 1, S, L] additive float32; cos / sin [B or 1, S, D].
 Tensor decoder_layer_cpu(const Tensor& hidden, const Tensor& input_norm, const Tensor& post_norm, double eps,
@@ -164,7 +166,7 @@ Tensor decoder_layer_cpu(const Tensor& hidden, const Tensor& input_norm, const T
   TORCH_CHECK(heads >= 1 && kv_heads >= 1 && heads % kv_heads == 0 && qkv_outs.size() == 3, op,
               ": heads must be a multiple of kv_heads and qkv three weights, got ", heads, ", ", kv_heads, ", ",
               qkv_outs.size());
-  const int64_t dim = qkv_outs[0] / heads, groups = heads / kv_heads;
+  const int64_t dim = qkv_outs[0] / heads;
   TORCH_CHECK(qkv_outs[0] == heads * dim && qkv_outs[1] == kv_heads * dim && qkv_outs[2] == kv_heads * dim, op,
               ": q, k and v must have heads x D, kv_heads x D and kv_heads x D outputs, got ", qkv_outs);
   TORCH_CHECK(keys.scalar_type() == at::kFloat && values.sizes() == keys.sizes() && keys.dim() == 4 &&
@@ -183,37 +185,54 @@ Tensor decoder_layer_cpu(const Tensor& hidden, const Tensor& input_norm, const T
   for (int64_t i = 0; i < batch * steps; ++i)
     TORCH_CHECK(slot_p[i] >= 0 && slot_p[i] < length, op, ": slots must be in [0, ", length, "), got ", slot_p[i]);
 
-  const Tensor x = hidden.contiguous();
-  Tensor qkv_out = int8_linear_cat_cpu(at::rms_norm(x, {width}, input_norm, eps), qkv, qkv_formats, qkv_outs, qkv_bias);
+  TORCH_CHECK(input_norm.scalar_type() == at::kFloat && post_norm.scalar_type() == at::kFloat &&
+                  input_norm.numel() == width && post_norm.numel() == width,
+              op, ": the norms' weights must be float32 [", width, "]");
+  const Tensor x = hidden.contiguous(), input_weight = input_norm.contiguous(), post_weight = post_norm.contiguous();
+  const int64_t rows = batch * steps;
+  Tensor normed = at::empty_like(x);
+  rms_norm(x.data_ptr<float>(), input_weight.data_ptr<float>(), (float)eps, rows, width, normed.data_ptr<float>(),
+           torch_parallel_for);
+  Tensor qkv_out = int8_linear_cat_cpu(normed, qkv, qkv_formats, qkv_outs, qkv_bias);
   rotate_half_cpu(qkv_out, cos, sin, heads + kv_heads);
   // the new keys and values into the cache: qkv_out[b, s, (heads + g) D + d] -> keys[b, g, slot, d]
   const float* qkv_p = qkv_out.data_ptr<float>();
   const int64_t qkv_width = qkv_out.size(2);
   float *keys_p = keys.data_ptr<float>(), *values_p = values.data_ptr<float>();
+  TORCH_CHECK(keys.stride(2) == dim && values.stride(2) == dim && keys.strides() == values.strides(), op,
+              ": keys and values must have contiguous slots of the same strides");
   for (int64_t b = 0; b < batch; ++b)
     for (int64_t s = 0; s < steps; ++s)
       for (int64_t g = 0; g < kv_heads; ++g) {
         const float* row = qkv_p + (b * steps + s) * qkv_width;
-        const int64_t k_at = b * keys.stride(0) + g * keys.stride(1) + slot_p[b * steps + s] * keys.stride(2);
-        const int64_t v_at = b * values.stride(0) + g * values.stride(1) + slot_p[b * steps + s] * values.stride(2);
-        std::copy(row + (heads + g) * dim, row + (heads + g + 1) * dim, keys_p + k_at);
-        std::copy(row + (heads + kv_heads + g) * dim, row + (heads + kv_heads + g + 1) * dim, values_p + v_at);
+        const int64_t at = b * keys.stride(0) + g * keys.stride(1) + slot_p[b * steps + s] * dim;
+        std::copy(row + (heads + g) * dim, row + (heads + g + 1) * dim, keys_p + at);
+        std::copy(row + (heads + kv_heads + g) * dim, row + (heads + kv_heads + g + 1) * dim, values_p + at);
       }
-  const Tensor cached_keys = keys.narrow(2, 0, length), cached_values = values.narrow(2, 0, length);
-  const Tensor query = qkv_out.narrow(2, 0, heads * dim).view({batch, steps, heads, dim}).transpose(1, 2);
-  Tensor attended;  // [B, H, S, D]
-  if (steps > 16) {
-    attended = at::scaled_dot_product_attention(query, cached_keys, cached_values, mask, 0.0, false, scaling, true);
-  } else {  // grouped_sdpa's stacking (attention.py)
-    const Tensor stacked = query.reshape({batch, kv_heads, groups * steps, dim});
-    const Tensor stacked_mask = mask.expand({batch, groups, steps, length}).reshape({batch, 1, groups * steps, length});
-    attended = at::scaled_dot_product_attention(stacked, cached_keys, cached_values, stacked_mask, 0.0, false, scaling)
-                   .view({batch, heads, steps, dim});
-  }
-  const Tensor attn = attended.transpose(1, 2).reshape({batch, steps, heads * dim});
+  Tensor attn = at::empty({batch, steps, heads * dim}, x.options());
+  const Tensor mask_c = mask.contiguous();
+  DecodeAttention attention;
+  attention.q = qkv_p;
+  attention.q_stride = qkv_width;
+  attention.keys = keys_p;
+  attention.values = values_p;
+  attention.kv_batch_stride = keys.stride(0);
+  attention.kv_head_stride = keys.stride(1);
+  attention.mask = mask_c.data_ptr<float>();
+  attention.out = attn.data_ptr<float>();
+  attention.out_stride = heads * dim;
+  attention.batch = batch;
+  attention.steps = steps;
+  attention.heads = heads;
+  attention.kv_heads = kv_heads;
+  attention.dim = dim;
+  attention.length = length;
+  attention.scale = (float)scaling;
+  decode_attention(attention, torch_parallel_for);
   const Tensor after_attention = x + int8_linear_cat_cpu(attn, {o_proj}, {o_format}, {width}, o_bias);
-  const Tensor gate_up_out = int8_linear_cat_cpu(at::rms_norm(after_attention, {width}, post_norm, eps), gate_up,
-                                                 gate_up_formats, gate_up_outs, std::nullopt);
+  rms_norm(after_attention.data_ptr<float>(), post_weight.data_ptr<float>(), (float)eps, rows, width,
+           normed.data_ptr<float>(), torch_parallel_for);
+  const Tensor gate_up_out = int8_linear_cat_cpu(normed, gate_up, gate_up_formats, gate_up_outs, std::nullopt);
   const Tensor activated = at::silu(gate_up_out.narrow(2, 0, gate_up_outs[0])).mul_(
       gate_up_out.narrow(2, gate_up_outs[0], gate_up_outs[1]));
   return after_attention + int8_linear_cat_cpu(activated, {down}, {down_format}, {width}, down_bias);

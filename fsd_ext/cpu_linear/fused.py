@@ -13,11 +13,14 @@ replaces, on each module instance:
 
 - the decoder layer's forward, where all of the above are patched and the cache hands out its
   buffers (fsd_ext.kv_cache.StaticKVCache.layer_buffers: fsd_ext.generate's decoding steps): the
-  whole layer in one op, decoder_layer (csrc/cpu_linear/torch_int8.cpp), which runs the same ops
-  without the Python between them. Other caches (transformers' own) take the modules' path.
+  whole layer in one op, decoder_layer (csrc/cpu_linear/torch_int8.cpp), with no Python between its
+  steps and its own RMSNorm and attention loops (csrc/cpu_linear/decode_ops.h: a token's result is
+  the same among a verification's tokens as alone, which exact greedy SD relies on). Other caches
+  (transformers' own) and prompts take the modules' path.
 
-Everything else (embedding, the cache, masks, the output layer) is the model's own. The results are
-those of the unfused modules, bit for bit (tests compare them).
+Everything else (embedding, the cache, masks, the output layer) is the model's own. The patched
+modules give the unfused modules' results bit for bit; decoder_layer differs from them by float
+rounding in its norms and attention (tests compare both).
 """
 
 from __future__ import annotations

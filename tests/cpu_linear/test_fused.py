@@ -1,6 +1,7 @@
 """The CPU decoding helpers that cut per-op overhead: grouped_sdpa (attention without copies of the
 cache), int8_linear_cat (several products of one x), rotate_half_ (rotary embedding in one op) and
-fuse_decoder_layers. Each must give the bits of what it replaces."""
+fuse_decoder_layers. Each gives the bits of what it replaces, except decoder_layer, whose norms and
+attention round differently (csrc/cpu_linear/tests/test_decode_ops.cpp checks those loops)."""
 
 from __future__ import annotations
 
@@ -127,7 +128,17 @@ def test_fused_layers_give_the_models_own_results(tmp_path, arch):
     assert fuse_decoder_layers(fused) == 2 * 5 + 1  # per layer 2 norms, attention, MLP, the layer; the final norm
     ids = torch.randint(0, 320, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert torch.equal(fused(ids).logits, plain(ids).logits)  # transformers' own cache and masks
+        assert torch.equal(fused(ids).logits, plain(ids).logits)  # the modules (transformers' own cache)
+        # decoding steps through decoder_layer, on fsd_ext's cache, against the plain model
+        from fsd_ext.generate import _CachedModel
+        pad = torch.tensor([0, 2])
+        logits = {}
+        for name, model in (("plain", plain), ("fused", fused)):
+            cached = _CachedModel(model, pad, 32, use_graphs=False)
+            cached(ids, 1, prefill=True)
+            cached.cache.lengths += ids.shape[1]
+            logits[name] = cached(ids[:, :6], 6)
+        torch.testing.assert_close(logits["fused"], logits["plain"], rtol=0, atol=1e-4)
     draft = int8_model(arch, tmp_path, seed=1)
     for rule in ("ar", "sd"):
         kwargs = dict(rule=rule, temperature=0.0, max_new_tokens=10, num_draft_tokens=5)
