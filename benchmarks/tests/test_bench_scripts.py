@@ -222,3 +222,21 @@ def test_decode_graphs_benchmark_runs_and_summarizes(tmp_path):
     row = {"rule": "sd", "batch": 8, "tokens per target call": 1.5, "eager": 100.0, "graphs, first call": 150.0,
            "graphs, reused": 250.0, "graphs, first call capture s": 1.25}
     assert "| sd | 8 | 1.50 | 100.0 | 150.0 | 250.0 | 2.50x | 1.25 |" in bench.summarize([row], modes)
+
+
+def test_llamacpp_comparison_table():
+    """bench_vs_llamacpp.py's table on made-up medians: speed ratios point the right way (a time:
+    llama.cpp's over ours; a rate: ours over llama.cpp's)."""
+    bench = load_benchmark("cpu_linear/bench_vs_llamacpp")
+    engine = {"prefill_s": 2.0, "forward_1_s": 0.040, "forward_6_s": 0.160, "ar_decode_tok_s": 25.0, "ar_tok_s": 10.0}
+    ours = {"prefill_s": 1.0, "forward_1_s": 0.050, "forward_6_s": 0.075, "ar_decode_tok_s": 20.0, "ar_tok_s": 12.5}
+    summary = {"machine": {"cpu": "Test CPU"}, "args": {"threads": "2", "rounds": "3"}, "read_bandwidth_gb_s": 30.0,
+               "prompt_tokens": [200], "engines": {"target/llama.cpp": engine, "target/fsd-ext": ours,
+                                                   "draft/llama.cpp": dict(engine), "draft/fsd-ext": dict(ours)},
+               "speculative": {"sd": {"tok_s": 15.0, "decode_tok_s": 30.0}}}
+    table = bench.format_table(summary)
+    assert "| prefill, 200 tokens | 2.0 s | 1.0 s | 2.00x |" in table
+    assert "| 1-token forward | 40.0 ms | 50.0 ms | 0.80x |" in table
+    assert "| greedy AR, end to end | 10.0 tok/s | 12.5 tok/s | 1.25x |" in table
+    assert "6-token / 1-token forward (1.5B): 1.50x" in table
+    assert "| SD | 15.00 | 1.20x | 1.50x |" in table
