@@ -56,7 +56,7 @@ cmake -S "$ROOT" -B "$WORK/core" -DFSD_SANITIZE=ON -DFSD_CUDA=OFF -DCMAKE_BUILD_
 CTEST_ARGS=()
 if (( SLICE_ONLY )); then
   # (the C++ unit tests, not test_cuda_sim: its fixed checks alone take minutes under ASan)
-  UNIT_TESTS=(test_core test_sanitize_core test_quant_gemm test_skinny_gemm)
+  UNIT_TESTS=(test_core test_sanitize_core test_quant_gemm test_skinny_gemm test_int8_gemm test_decode_ops)
   cmake --build "$WORK/core" -j "$JOBS" --target "${UNIT_TESTS[@]}" > "$WORK/build_core.log" 2>&1 \
     || { tail -50 "$WORK/build_core.log"; exit 1; }
   CTEST_ARGS=(-R "^($(IFS='|'; echo "${UNIT_TESTS[*]}"))\$")

@@ -636,3 +636,23 @@ def test_contended_decodes_are_decoded_again(monkeypatch):
                                                 retries=2)
     assert Backend.calls == 5 and contention > 0.25  # kept after the retries, flagged
     assert runner.contended_complete(Backend(), Config("ar"), "p", max_contention=None)[1] is None
+
+
+def test_paired_pass_difference():
+    """The paired difference of two configurations' pass@1: discordant counts, the Wald interval and
+    McNemar's exact p-value, on problems both decoded (negative control: identical results give 0)."""
+    from fsd_ext.bench.summary import paired_pass_difference
+
+    a = {f"t{i}": i < 60 for i in range(100)}
+    b = {f"t{i}": (i < 60 and i % 10 != 0) or 60 <= i < 62 for i in range(100)}
+    b["extra"] = True  # not in a: ignored
+    d = paired_pass_difference(a, b)
+    assert (d["problems"], d["pass_a"], d["pass_b"], d["only_a"], d["only_b"]) == (100, 60, 56, 6, 2)
+    assert d["difference"] == pytest.approx(-0.04)
+    low, high = d["ci"]
+    assert low < -0.04 < high and high > 0  # 6 against 2: an interval that holds 0
+    assert d["mcnemar_p"] == pytest.approx(2 * sum(__import__("math").comb(8, k) for k in range(3)) / 2 ** 8)
+    same = paired_pass_difference(a, a)
+    assert same["difference"] == 0 and same["ci"] == (0.0, 0.0) and same["mcnemar_p"] == 1.0
+    with pytest.raises(ValueError, match="share no problem"):
+        paired_pass_difference({"x": True}, {"y": True})

@@ -5,6 +5,13 @@ draft or AR step, 2: the draft's catch-up, K + 1: the target's verification).
 For each linear shape of the default pair, every path multiplies x by a weight stored its own way
 (x float32 unless said):
 
+    fsd int8 q4k   QuantInt8Linear Q4_K (x quantised to int8 per 32 features, int8 dot products; 0.58 B)
+    fsd int8 q6k   QuantInt8Linear Q6_K (0.82 B)
+    fsd int8 q5_0  QuantInt8Linear Q5_0 (0.69 B)
+    fsd int8 q8_0  QuantInt8Linear Q8_0 (1.06 B)
+    torch dyn int8 torch.ao's dynamic quantized Linear (int8 weights with a scale per output row, x
+                   quantised per call with one scale; 1 B), each of torch's quantized engines:
+                   "(x86)", "(fbgemm)", "(onednn)"
     fsd q4         QuantWeightLinear "q4" (GGUF Q4_K / Q4_0 / Q4_1 codes, 0.75 B a weight)
     torch int4     aten._weight_int4pack_mm_for_cpu, group 32 (0.75 B)
     fsd q8g32      QuantWeightLinear "q8g32" (GGUF Q8_0 / Q5_0 codes, 1.125 B)
@@ -53,7 +60,10 @@ SHAPES = {
     "0.5b/q_proj": (896, 896), "0.5b/k_proj": (128, 896), "0.5b/gate_proj": (4864, 896),
     "0.5b/down_proj": (896, 4864), "0.5b/lm_head": (151936, 896),
 }
-BYTES = {"fsd q4": 0.75, "torch int4": 0.75, "fsd q8g32": 1.125, "fsd q8": 1.25, "torch int8": 1.0,
+INT8_TYPES = {"fsd int8 q4k": "Q4_K", "fsd int8 q6k": "Q6_K", "fsd int8 q5_0": "Q5_0", "fsd int8 q8_0": "Q8_0"}
+BYTES = {"fsd int8 q4k": 0.58, "fsd int8 q6k": 0.82, "fsd int8 q5_0": 0.69, "fsd int8 q8_0": 1.06,
+         "torch dyn int8 (x86)": 1.0, "torch dyn int8 (fbgemm)": 1.0, "torch dyn int8 (onednn)": 1.0,
+         "fsd q4": 0.75, "torch int4": 0.75, "fsd q8g32": 1.125, "fsd q8": 1.25, "torch int8": 1.0,
          "torchao int8": 1.0, "fsd bf16": 2.0, "fsd bf16 x16": 2.0, "F.linear bf16": 2.0, "fsd f32": 4.0,
          "F.linear f32": 4.0}
 
@@ -68,8 +78,44 @@ def _torchao_int8(out: int, inp: int):
     return layer
 
 
+def _torch_dynamic_int8(engine: str, out: int, inp: int):
+    """torch.ao's dynamic quantized Linear packed for `engine` (called under the same engine)."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    torch.backends.quantized.engine = engine
+    layer = DynamicLinear(inp, out, dtype=torch.qint8)
+    w = torch.randn(out, inp) * 0.02
+    scales = w.abs().amax(1).double() / 127
+    layer.set_weight_bias(torch.quantize_per_channel(w, scales, torch.zeros(out, dtype=torch.long), 0, torch.qint8),
+                          None)
+
+    def forward(x):
+        torch.backends.quantized.engine = engine
+        return layer(x)
+    return forward
+
+
+def _int8_layer(type_name: str, out: int, inp: int):
+    """A QuantInt8Linear of random GGUF blocks (random codes, small float16 scales) of `type_name`."""
+    import numpy as np
+
+    from fsd_ext.cpu_linear.gguf_weights import pack_int8
+
+    block_weights, block_bytes, halves = {"Q4_K": (256, 144, (0, 2)), "Q6_K": (256, 210, (208,)),
+                                          "Q5_0": (32, 22, (0,)), "Q8_0": (32, 34, (0,))}[type_name]
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (out * inp // block_weights, block_bytes), dtype=np.uint8)
+    for at in halves:
+        blocks[:, at:at + 2] = rng.uniform(1e-4, 1e-3, blocks.shape[0]).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    return cpu_linear.QuantInt8Linear(pack_int8(blocks.reshape(out, -1), type_name, inp), type_name, inp, out)
+
+
 def make(path: str, out: int, inp: int):
     """One weight of `path` (random values) and the function that multiplies x by it."""
+    if path in INT8_TYPES:
+        return _int8_layer(INT8_TYPES[path], out, inp)
+    if path.startswith("torch dyn int8"):
+        return _torch_dynamic_int8(path.split("(")[1].rstrip(")"), out, inp)
     if path in ("fsd q4", "fsd q8g32", "fsd q8"):
         fmt = path.split()[1]
         group, params, code_bytes = {"q4": (32, 8, 64), "q8": (16, 4, 64), "q8g32": (32, 4, 128)}[fmt]
@@ -129,16 +175,18 @@ def main(argv=None):
     torch.manual_seed(0)
     for name in names:
         out, inp = SHAPES[name]
+        shape_paths = [p for p in paths if p not in INT8_TYPES
+                       or inp % cpu_linear.INT8_LAYOUT[INT8_TYPES[p]][0] == 0]
         sets = {}
-        for path in paths:
+        for path in shape_paths:
             copies = max(1, -(-args.set_mb * 2**20 // int(out * inp * BYTES[path])))
             sets[path] = [make(path, out, inp) for _ in range(copies)]
-        times = {(r, p): [] for r in rows_list for p in paths}
+        times = {(r, p): [] for r in rows_list for p in shape_paths}
         xs = {r: torch.randn(r, inp) for r in rows_list}
         with torch.no_grad():
             for repeat in range(args.repeats + 1):  # the first round warms up
                 for r in rows_list:
-                    for p in paths:
+                    for p in shape_paths:
                         start = time.perf_counter()
                         for fn in sets[p]:
                             fn(xs[r])
@@ -146,7 +194,7 @@ def main(argv=None):
                             times[(r, p)].append((time.perf_counter() - start) / len(sets[p]))
         del sets
         for r in rows_list:
-            ms = {p: 1e3 * statistics.median(times[(r, p)]) for p in paths}
+            ms = {p: 1e3 * statistics.median(times[(r, p)]) for p in shape_paths}
             results.append(dict(shape=name, out=out, inp=inp, rows=r, ms=ms))
             cells = "  ".join(f"{p} {v:7.3f}" for p, v in ms.items())
             print(f"{name:<15} {r:>2} rows  {cells}", flush=True)

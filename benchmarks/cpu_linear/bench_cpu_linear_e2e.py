@@ -8,6 +8,12 @@ the same weights, end to end.
           (group 32; x, scales and zeros in bfloat16: torch's vectorised path), the others (Q5_0,
           Q6_K, Q8_0) re-quantised to int8 with one scale per output row through
           aten._weight_int8pack_mm (x in bfloat16); nothing else changes
+--weights gguf-int8 (int8 activations, the default pair's default on an AVX512-VNNI CPU), the decoder
+layers unfused on both sides so that the products alone differ:
+    fsd   QuantInt8Linear (csrc/cpu_linear/int8_gemm.cpp): the file's codes, x quantised to int8 per
+          32 features
+    torch torch.ao's dynamic quantized Linear (engine "x86"): the file's weights re-quantised to int8
+          with one scale per output row, x quantised per call with one scale
 --weights bfloat16 (a bfloat16 model, the default for other checkpoints on an AVX512-BF16 CPU):
     fsd   skinny_linear (csrc/cpu_linear/skinny_gemm.cpp) for the few-row products
     torch F.linear
@@ -70,12 +76,28 @@ class TorchWeightOnlyLinear(torch.nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def torch_dynamic_int8(layer: cpu_linear.QuantInt8Linear) -> torch.nn.Module:
+    """torch.ao's dynamic quantized Linear holding `layer`'s weights as int8 with a scale per row."""
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+
+    torch.backends.quantized.engine = "x86"
+    w = layer.dequantized_weight()
+    scales = (w.abs().amax(1).clamp_min(1e-30) / 127).double()
+    module = DynamicLinear(layer.in_features, layer.out_features, dtype=torch.qint8)
+    module.set_weight_bias(torch.quantize_per_channel(w, scales, torch.zeros(w.shape[0], dtype=torch.long), 0,
+                                                      torch.qint8), layer.bias)
+    return module
+
+
 def to_torch_ops(model: torch.nn.Module) -> int:
     swapped = 0
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, cpu_linear.QuantWeightLinear):
                 setattr(module, child_name, TorchWeightOnlyLinear(child))
+                swapped += 1
+            elif isinstance(child, cpu_linear.QuantInt8Linear):
+                setattr(module, child_name, torch_dynamic_int8(child))
                 swapped += 1
     return swapped
 
@@ -89,7 +111,10 @@ def load_pair(backend: str, weights_kind: str):
             pair.append((model, tokenizer))
             continue
         dtype, weights = models.resolve_load_options(name, "cpu", "float32", "gguf")
-        model, tokenizer = models.load(name, dtype=dtype, device="cpu", linear_weights=weights)
+        activations = "int8" if weights_kind == "gguf-int8" else "float32"
+        model, tokenizer = models.load(name, dtype=dtype, device="cpu", linear_weights=weights, activations=activations)
+        for module in model.modules():  # (unfused: the products alone differ between the backends)
+            module.__dict__.pop("forward", None)
         if backend == "torch":
             print(f"{name}: {to_torch_ops(model)} layers on torch's ops", file=sys.stderr)
         pair.append((model, tokenizer))
@@ -98,7 +123,7 @@ def load_pair(backend: str, weights_kind: str):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weights", choices=["gguf", "bfloat16"], default="gguf")
+    parser.add_argument("--weights", choices=["gguf", "gguf-int8", "bfloat16"], default="gguf")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=48)

@@ -9,6 +9,10 @@ one forward, and every position after the prompt's first token is compared:
 Both setups hold the same weights (the GGUF file's codes); only the activations' arithmetic differs.
 
     python benchmarks/cpu_linear/fidelity_int8.py --problems 0-19 --out benchmarks/results/<run>
+
+--pass-records A.jsonl B.jsonl instead compares the HumanEval pass@1 of one configuration (--key,
+default AR) in two frontier runs' results.jsonl, problem by problem (fsd_ext.bench.summary.
+paired_pass_difference: the difference, its 95% interval, McNemar's p-value).
 """
 
 from __future__ import annotations
@@ -49,6 +53,17 @@ def compare(name: str, problems, new_tokens: int) -> dict:
             "max_logit_diff": max_diff}
 
 
+def passes(path: Path, key: str) -> dict:
+    """{task_id: passed} of the records of configuration `key` in a frontier run's results.jsonl
+    (the last record per problem)."""
+    out = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("key") == key:
+            out[record["task_id"]] = bool(record["passed"])
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=f"{models.DEFAULT_TARGET},{models.DEFAULT_DRAFT}")
@@ -56,7 +71,20 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=None, help="a folder for fidelity.json")
+    parser.add_argument("--pass-records", nargs=2, type=Path, default=None, metavar=("A", "B"))
+    parser.add_argument("--key", default="ar/greedy", help="the configuration compared by --pass-records")
     args = parser.parse_args(argv)
+    if args.pass_records:
+        from fsd_ext.bench.summary import paired_pass_difference
+
+        d = paired_pass_difference(*(passes(path, args.key) for path in args.pass_records))
+        print(f"{args.key}: {d['pass_a']}/{d['problems']} (A) -> {d['pass_b']}/{d['problems']} (B): "
+              f"{100 * d['difference']:+.1f} points, 95% interval [{100 * d['ci'][0]:+.1f}, {100 * d['ci'][1]:+.1f}], "
+              f"A alone {d['only_a']}, B alone {d['only_b']}, McNemar p = {d['mcnemar_p']:.2f}")
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "pass_at_1_paired.json").write_text(json.dumps(d, indent=1) + "\n")
+        return 0
     torch.set_num_threads(args.threads)
     problems = humaneval.load_problems()
     chosen = [problems[i] for i in humaneval.parse_ids(args.problems)]

@@ -192,6 +192,25 @@ def target_check(rows: Sequence[Dict[str, Any]], max_pass_drop: float = 0.02,
             "adaptive_sd_speedup": best_sd["tokens_per_s"] / sd["tokens_per_s"] if best_sd else None}
 
 
+def paired_pass_difference(a: Dict[str, bool], b: Dict[str, bool], z: float = 1.96) -> Dict[str, Any]:
+    """pass@1 of `b` minus `a` on the problems both decoded ({task_id: passed} each), with its paired
+    (Wald) interval, the discordant counts and McNemar's exact two-sided p-value: what a claim that
+    one configuration is more or less accurate than another must rest on."""
+    shared = sorted(set(a) & set(b))
+    n = len(shared)
+    if not n:
+        raise ValueError("the two configurations share no problem")
+    only_b = sum(b[t] and not a[t] for t in shared)
+    only_a = sum(a[t] and not b[t] for t in shared)
+    diff = (only_b - only_a) / n
+    half = z * math.sqrt(max(only_a + only_b - (only_b - only_a) ** 2 / n, 0.0)) / n
+    discordant = only_a + only_b
+    tail = sum(math.comb(discordant, k) for k in range(min(only_a, only_b) + 1)) / 2 ** discordant if discordant else 1.0
+    return {"problems": n, "pass_a": sum(a[t] for t in shared), "pass_b": sum(b[t] for t in shared),
+            "only_a": only_a, "only_b": only_b, "difference": diff, "ci": (diff - half, diff + half),
+            "mcnemar_p": min(1.0, 2 * tail)}
+
+
 def _fmt(value, spec="{:.3f}"):
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
