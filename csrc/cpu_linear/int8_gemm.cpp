@@ -47,7 +47,9 @@ template <Int8Format F>
 constexpr int kPlanes = F == Int8Format::Q6_K ? 2 : F == Int8Format::Q5_0 ? 1 : 0;
 // The code subtracted from u, as a multiple of the scale (folded into the offset).
 template <Int8Format F>
-constexpr float kZero = F == Int8Format::Q6_K ? 32.0f : F == Int8Format::Q5_0 ? 16.0f : F == Int8Format::Q8_0 ? 128.0f : 0.0f;
+constexpr int32_t kZeroInt = F == Int8Format::Q6_K ? 32 : F == Int8Format::Q5_0 ? 16 : F == Int8Format::Q8_0 ? 128 : 0;
+template <Int8Format F>
+constexpr float kZero = (float)kZeroInt<F>;
 // Byte offset of a group's params (after its codes).
 template <Int8Format F>
 constexpr int64_t kParamsAt = F == Int8Format::Q8_0 ? 512 : 256 + 64 * kPlanes<F>;
@@ -91,8 +93,15 @@ INT8_INLINE void group_scale(float amax, bool finite, float& dx, float& inv) {
 INT8_INLINE void store_group_params(float* params, float dx, int32_t low_sum, int32_t high_sum) {
   params[0] = dx;
   params[1] = dx * (float)(low_sum + high_sum);
-  params[2] = dx * (float)low_sum;
-  params[3] = dx * (float)high_sum;
+  std::memcpy(params + 2, &low_sum, 4);
+  std::memcpy(params + 3, &high_sum, 4);
+}
+
+// The sums of a group's codes of x (features 0-15, 16-31), stored as int32 after dx and dx * sum.
+INT8_INLINE int32_t code_sum(const float* params, int half) {
+  int32_t v;
+  std::memcpy(&v, params + 2 + half, 4);
+  return v;
 }
 
 void quantize_row_portable(const float* x, int64_t in, uint8_t* out) {
@@ -129,7 +138,7 @@ template <Int8Format F>
 struct PortableGroup {
   uint8_t u[kTileRows][kGroupCols];          // codes by (row, feature)
   float scale[kSubGroups<F>][kTileRows];
-  float offset[kSubGroups<F>][kTileRows];
+  float offset[kSubGroups<F>][kTileRows];    // Q4_K's -dmin m; the others' -zero x scale (dequantisation)
 };
 
 template <Int8Format F>
@@ -192,12 +201,15 @@ void tile_portable(const Int8Gemm& g, int64_t tile, int64_t row0, int rows) {
           int32_t sums[2] = {0, 0};
           for (int j = 0; j < kGroupCols; ++j) sums[j / 16] += (int32_t)group.u[i][j] * xq[j];
           float a = acc[r].v[i];
-          if constexpr (kSubGroups<F> == 1) {
+          if constexpr (F == Int8Format::Q4_K) {
             a = std::fma((float)(sums[0] + sums[1]), group.scale[0][i] * xs[0], a);
             a = std::fma(group.offset[0][i], xs[1], a);
+          } else if constexpr (kSubGroups<F> == 1) {
+            const int32_t centred = sums[0] + sums[1] - kZeroInt<F> * (code_sum(xs, 0) + code_sum(xs, 1));
+            a = std::fma((float)centred, group.scale[0][i] * xs[0], a);
           } else {
-            for (int s = 0; s < 2; ++s) a = std::fma((float)sums[s], group.scale[s][i] * xs[0], a);
-            for (int s = 0; s < 2; ++s) a = std::fma(group.offset[s][i], xs[2 + s], a);
+            for (int h = 0; h < 2; ++h)
+              a = std::fma((float)(sums[h] - kZeroInt<F> * code_sum(xs, h)), group.scale[h][i] * xs[0], a);
           }
           acc[r].v[i] = a;
         }
@@ -336,7 +348,7 @@ void tile_avx512(const Int8Gemm& g, int64_t tile, int64_t row0) {
         }
       }
       const uint8_t* pp = p + kParamsAt<F>;
-      __m512 scale[kSubGroups<F>], offset[kSubGroups<F>];
+      __m512 scale[kSubGroups<F>], offset[kSubGroups<F>];  // (offset: Q4_K's only)
       if constexpr (F == Int8Format::Q4_K) {
         const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pp));
         const __m128i m = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pp + 16));
@@ -347,11 +359,9 @@ void tile_avx512(const Int8Gemm& g, int64_t tile, int64_t row0) {
         for (int s = 0; s < 2; ++s) {
           const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(pp + 16 * s));
           scale[s] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)), d);
-          offset[s] = _mm512_mul_ps(scale[s], _mm512_set1_ps(-kZero<F>));
         }
       } else {
         scale[0] = halves_to_float(pp);
-        offset[0] = _mm512_mul_ps(scale[0], _mm512_set1_ps(-kZero<F>));
       }
       INT8_UNROLL
       for (int r = 0; r < R; ++r) {
@@ -368,8 +378,14 @@ void tile_avx512(const Int8Gemm& g, int64_t tile, int64_t row0) {
             for (int j = 2 + h; j < kOperands; j += 2) half[h] = dot_broadcast(half[h], w[j], x + 4 * j);
           }
           const __m512i sum = _mm512_add_epi32(half[0], half[1]);
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale[0], dx), acc[r]);
-          acc[r] = _mm512_fmadd_ps(offset[0], _mm512_set1_ps(s[1]), acc[r]);
+          if constexpr (F == Int8Format::Q4_K) {
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scale[0], dx), acc[r]);
+            acc[r] = _mm512_fmadd_ps(offset[0], _mm512_set1_ps(s[1]), acc[r]);
+          } else {  // the zero point in integers: vpsubd runs beside vpdpbusd, an FMA would not
+            const int32_t zero_sum = kZeroInt<F> * (code_sum(s, 0) + code_sum(s, 1));
+            const __m512i centred = _mm512_sub_epi32(sum, _mm512_set1_epi32(zero_sum));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(scale[0], dx), acc[r]);
+          }
         } else {
           __m512i sum[2];
           INT8_UNROLL
@@ -379,9 +395,10 @@ void tile_avx512(const Int8Gemm& g, int64_t tile, int64_t row0) {
             for (int j = 1; j < 4; ++j) sum[h] = dot_broadcast(sum[h], w[4 * h + j], x + 16 * h + 4 * j);
           }
           INT8_UNROLL
-          for (int h = 0; h < 2; ++h) acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[h]), _mm512_mul_ps(scale[h], dx), acc[r]);
-          INT8_UNROLL
-          for (int h = 0; h < 2; ++h) acc[r] = _mm512_fmadd_ps(offset[h], _mm512_set1_ps(s[2 + h]), acc[r]);
+          for (int h = 0; h < 2; ++h) {
+            const __m512i centred = _mm512_sub_epi32(sum[h], _mm512_set1_epi32(kZeroInt<F> * code_sum(s, h)));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(centred), _mm512_mul_ps(scale[h], dx), acc[r]);
+          }
         }
       }
     }

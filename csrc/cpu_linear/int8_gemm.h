@@ -4,13 +4,16 @@
 //
 // Arithmetic. Each row of x is quantised per group of 32 features as GGUF's Q8_0 is: dx = amax / 127,
 // q = round(x / dx) in [-127, 127]; a group with a NaN or an infinity gets dx = NaN (its row's outputs
-// become NaN, never a silently finite value). Weights are unsigned codes u with a scale and an offset
-// per (output row, sub-group of 16 or 32 features): w = scale * u + offset. Per group the integer sum
-// S = sum u q is exact, and
-//     y += float(S) * (scale * dx) + offset * (dx * sum q)
-// two FMAs per sub-group in a fixed order, so a row's result is the same bits whatever other rows
-// are in the call (batch invariance, which exact greedy speculative decoding relies on) and on every
-// path (the portable loops compute exactly what the vector ones do).
+// become NaN, never a silently finite value). Weights are unsigned codes u with a scale per (output
+// row, sub-group of 16 or 32 features), and either an offset (Q4_K: w = scale * u + offset) or an
+// integer zero point (the others: w = scale * (u - zero)). Per sub-group the integer sum S = sum u q
+// is exact, and
+//     Q4_K:   y += float(S) * (scale * dx) + offset * (dx * sum q)
+//     others: y += float(S - zero * sum q) * (scale * dx)
+// (the zero point in integers: one FMA fewer, on the port the dot products need), in a fixed order,
+// so a row's result is the same bits whatever other rows are in the call (batch invariance, which
+// exact greedy speculative decoding relies on) and on every path (the portable loops compute exactly
+// what the vector ones do).
 //
 // Layout. Output rows go in tiles of kTileRows = 16 (out padded with zero rows), one per 32-bit lane
 // of a 512-bit register; a tile's features in groups of 32, and groups in super-blocks of
@@ -69,8 +72,8 @@ struct Int8Weights {
   int64_t in = 0, out = 0;
 };
 
-// x quantised: per row, `in` int8 codes, then per group {dx, dx * sum q (all 32), dx * sum q of
-// features 0-15, of 16-31} as floats. Row r at base + r * int8_act_row_bytes(in).
+// x quantised: per row, `in` int8 codes, then per group 16 bytes: dx and dx * sum q (float32), the
+// sums of q over features 0-15 and 16-31 (int32). Row r at base + r * int8_act_row_bytes(in).
 constexpr int64_t int8_act_row_bytes(int64_t in) { return in + in / kGroupCols * 16; }
 
 // Which loops: Best (AVX512-VNNI where the CPU has it, else portable) or Portable (tests).
