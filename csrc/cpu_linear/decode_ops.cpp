@@ -110,6 +110,102 @@ float softmax_numerators_avx512(float* s, int64_t n, float max) {
   return _mm512_reduce_add_ps(sum);
 }
 
+// The sums of a0..a3 in lanes 0..3, each added up in the same order whatever its position (so a
+// query's score does not depend on which queries share its block).
+__m128 sum4_symmetric(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23))),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23))));
+  const __m512 v = _mm512_add_ps(u, _mm512_shuffle_f32x4(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
+  const __m512 w = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_castps512_ps128(w);
+}
+
+// Scores of the queries q[0..3] with every cached key l < length (dim = 16 kChunks):
+// scores[c][l] = dot(q[c], key l) * scale + mask[c][l]. (Unused entries may repeat q[0].)
+template <int kChunks>
+void scores4_avx512(const float* const* q, const float* keys, const float* const* mask, int64_t length, float scale,
+                    float* const* scores) {
+  __m512 query[4][kChunks];
+  for (int c = 0; c < 4; ++c)
+    for (int k = 0; k < kChunks; ++k) query[c][k] = _mm512_loadu_ps(q[c] + 16 * k);
+  for (int64_t l = 0; l < length; ++l) {
+    const float* key = keys + l * 16 * kChunks;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int k = 0; k < kChunks; ++k) {
+      const __m512 kv = _mm512_loadu_ps(key + 16 * k);
+      for (int c = 0; c < 4; ++c) acc[c] = _mm512_fmadd_ps(query[c][k], kv, acc[c]);
+    }
+    alignas(16) float dots[4];
+    _mm_store_ps(dots, sum4_symmetric(acc[0], acc[1], acc[2], acc[3]));
+    for (int c = 0; c < 4; ++c) scores[c][l] = dots[c] * scale + mask[c][l];
+  }
+}
+
+// out[c] = sum over l of weights[c][l] * value l, for kQueries queries (dim = 16 kChunks).
+template <int kChunks, int kQueries>
+void weighted_values_avx512(const float* const* weights, const float* values, int64_t length, float* const* out) {
+  __m512 acc[kQueries][kChunks];
+  for (int c = 0; c < kQueries; ++c)
+    for (int k = 0; k < kChunks; ++k) acc[c][k] = _mm512_setzero_ps();
+  for (int64_t l = 0; l < length; ++l) {
+    const float* value = values + l * 16 * kChunks;
+    for (int k = 0; k < kChunks; ++k) {
+      const __m512 v = _mm512_loadu_ps(value + 16 * k);
+      for (int c = 0; c < kQueries; ++c) acc[c][k] = _mm512_fmadd_ps(_mm512_set1_ps(weights[c][l]), v, acc[c][k]);
+    }
+  }
+  for (int c = 0; c < kQueries; ++c)
+    for (int k = 0; k < kChunks; ++k) _mm512_storeu_ps(out[c] + 16 * k, acc[c][k]);
+}
+
+// weighted_values_avx512 for a block of `count` (1..24 / kChunks) queries.
+template <int kChunks, int kQueries = 24 / kChunks>
+void weighted_values_block(int count, const float* const* weights, const float* values, int64_t length,
+                           float* const* out) {
+  if constexpr (kQueries > 1) {
+    if (count < kQueries) return weighted_values_block<kChunks, kQueries - 1>(count, weights, values, length, out);
+  }
+  weighted_values_avx512<kChunks, kQueries>(weights, values, length, out);
+}
+
+// Attention of one (batch row, kv head) task's queries, dim = 16 kChunks.
+template <int kChunks>
+void attend_avx512(const float* const* query, const float* const* mask, int64_t queries, const float* keys,
+                   const float* values, int64_t length, float scale, float* scores, float* const* out) {
+  for (int64_t i = 0; i < queries; i += 4) {
+    const float* q[4];
+    const float* m[4];
+    float* s[4];
+    for (int c = 0; c < 4; ++c) {
+      const int64_t at = i + c < queries ? i + c : i;  // (a repeat of query i fills a short block)
+      q[c] = query[at];
+      m[c] = mask[at];
+      s[c] = scores + at * length;
+    }
+    scores4_avx512<kChunks>(q, keys, m, length, scale, s);
+  }
+  std::vector<float> inverse_sum(queries);
+  for (int64_t i = 0; i < queries; ++i) {
+    float* s = scores + i * length;
+    inverse_sum[i] = 1.0f / softmax_numerators_avx512(s, length, *std::max_element(s, s + length));
+  }
+  constexpr int kBlock = 24 / kChunks;
+  for (int64_t i = 0; i < queries; i += kBlock) {
+    const int count = (int)std::min<int64_t>(kBlock, queries - i);
+    const float* w[kBlock];
+    float* o[kBlock];
+    for (int c = 0; c < count; ++c) {
+      w[c] = scores + (i + c) * length;
+      o[c] = out[i + c];
+    }
+    weighted_values_block<kChunks>(count, w, values, length, o);
+  }
+  for (int64_t i = 0; i < queries; ++i)
+    for (int64_t j = 0; j < 16 * kChunks; ++j) out[i][j] *= inverse_sum[i];
+}
+
 #pragma GCC diagnostic pop
 #pragma GCC pop_options
 #endif
@@ -152,32 +248,43 @@ void decode_attention(const DecodeAttention& a, const ParallelFor& parallel_for)
   const Ops ops = select_ops(a.dim);
   parallel_for(a.batch * a.kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(queries * a.length);  // [query][slot], query = r * steps + s
+    std::vector<const float*> query(queries), mask(queries);
+    std::vector<float*> output(queries);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / a.kv_heads, g = task % a.kv_heads;
       const float* keys = a.keys + b * a.kv_batch_stride + g * a.kv_head_stride;
       const float* values = a.values + b * a.kv_batch_stride + g * a.kv_head_stride;
-      auto query = [&](int64_t i) { return a.q + (b * a.steps + i % a.steps) * a.q_stride + (g * groups + i / a.steps) * a.dim; };
-      auto output = [&](int64_t i) { return a.out + (b * a.steps + i % a.steps) * a.out_stride + (g * groups + i / a.steps) * a.dim; };
+      for (int64_t i = 0; i < queries; ++i) {
+        const int64_t row = b * a.steps + i % a.steps, head = g * groups + i / a.steps;
+        query[i] = a.q + row * a.q_stride + head * a.dim;
+        output[i] = a.out + row * a.out_stride + head * a.dim;
+        mask[i] = a.mask + row * a.length;
+      }
+#if FSD_DECODE_X86
+      if (avx512_available() && (a.dim == 64 || a.dim == 128)) {
+        if (a.dim == 64) attend_avx512<4>(query.data(), mask.data(), queries, keys, values, a.length, a.scale, scores.data(), output.data());
+        else attend_avx512<8>(query.data(), mask.data(), queries, keys, values, a.length, a.scale, scores.data(), output.data());
+        continue;
+      }
+#endif
       for (int64_t l = 0; l < a.length; ++l) {
         const float* key = keys + l * a.dim;
         for (int64_t i = 0; i < queries; ++i)
-          scores[i * a.length + l] = ops.dot(query(i), key, a.dim) * a.scale + a.mask[(b * a.steps + i % a.steps) * a.length + l];
+          scores[i * a.length + l] = ops.dot(query[i], key, a.dim) * a.scale + mask[i][l];
       }
       std::vector<float> inverse_sum(queries);
       for (int64_t i = 0; i < queries; ++i) {
         float* s = scores.data() + i * a.length;
         const float max = *std::max_element(s, s + a.length);
         inverse_sum[i] = 1.0f / ops.softmax_numerators(s, a.length, max);
-        std::fill(output(i), output(i) + a.dim, 0.0f);
+        std::fill(output[i], output[i] + a.dim, 0.0f);
       }
       for (int64_t l = 0; l < a.length; ++l) {
         const float* value = values + l * a.dim;
-        for (int64_t i = 0; i < queries; ++i) ops.axpy(scores[i * a.length + l], value, output(i), a.dim);
+        for (int64_t i = 0; i < queries; ++i) ops.axpy(scores[i * a.length + l], value, output[i], a.dim);
       }
-      for (int64_t i = 0; i < queries; ++i) {
-        float* o = output(i);
-        for (int64_t j = 0; j < a.dim; ++j) o[j] *= inverse_sum[i];
-      }
+      for (int64_t i = 0; i < queries; ++i)
+        for (int64_t j = 0; j < a.dim; ++j) output[i][j] *= inverse_sum[i];
     }
   });
 }
