@@ -44,7 +44,9 @@ constexpr int kOperands = 8;  // vpdpbusd operands per group: 4 features x 16 ro
 template <Int8Format F>
 constexpr int kSubGroups = F == Int8Format::Q6_K ? 2 : 1;  // scales per group and row
 template <Int8Format F>
-constexpr int kPlanes = F == Int8Format::Q6_K ? 2 : F == Int8Format::Q5_0 ? 1 : 0;
+constexpr int kPlanes = F == Int8Format::Q5_0 ? 1 : 0;  // bit planes after the nibbles
+template <Int8Format F>
+constexpr bool kCrumbs = F == Int8Format::Q6_K;  // bits 4-5 in two 64-byte chunks after the nibbles
 // The code subtracted from u, as a multiple of the scale (folded into the offset).
 template <Int8Format F>
 constexpr int32_t kZeroInt = F == Int8Format::Q6_K ? 32 : F == Int8Format::Q5_0 ? 16 : F == Int8Format::Q8_0 ? 128 : 0;
@@ -52,7 +54,7 @@ template <Int8Format F>
 constexpr float kZero = (float)kZeroInt<F>;
 // Byte offset of a group's params (after its codes).
 template <Int8Format F>
-constexpr int64_t kParamsAt = F == Int8Format::Q8_0 ? 512 : 256 + 64 * kPlanes<F>;
+constexpr int64_t kParamsAt = F == Int8Format::Q8_0 ? 512 : 256 + 64 * kPlanes<F> + (kCrumbs<F> ? 128 : 0);
 
 INT8_INLINE float half_to_float(uint16_t h) {
   const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
@@ -157,6 +159,7 @@ void decode_group_portable(const uint8_t* g, const float* d, const float* neg_dm
             const uint8_t* mask = g + 256 + 64 * plane + 8 * k;
             u += ((mask[bit / 8] >> (bit % 8)) & 1u) << (4 + plane);
           }
+          if constexpr (kCrumbs<F>) u += ((g[256 + 64 * (k / 4) + bit] >> (2 * (k % 4))) & 3u) << 4;
         }
         out.u[i][4 * k + t] = (uint8_t)u;
       }
@@ -334,6 +337,17 @@ void tile_avx512(const Int8Gemm& g, int64_t tile, int64_t row0) {
           const __m512i v = _mm512_loadu_si512(p + 64 * j);
           w[j] = _mm512_and_si512(v, nibble);
           w[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+        }
+        if constexpr (kCrumbs<F>) {  // operand 4h + k: bits 2k, 2k + 1 of chunk h's bytes, to bits 4, 5
+          const __m512i two_bits = _mm512_set1_epi8(0x30);
+          INT8_UNROLL
+          for (int h = 0; h < 2; ++h) {
+            const __m512i c = _mm512_loadu_si512(p + 256 + 64 * h);
+            // (16-bit shifts: what crosses into the neighbouring byte lands outside bits 4-5)
+            const __m512i at[4] = {_mm512_slli_epi16(c, 4), _mm512_slli_epi16(c, 2), c, _mm512_srli_epi16(c, 2)};
+            INT8_UNROLL
+            for (int k = 0; k < 4; ++k) w[4 * h + k] = _mm512_or_si512(w[4 * h + k], _mm512_and_si512(at[k], two_bits));
+          }
         }
         INT8_UNROLL
         for (int plane = 0; plane < kPlanes<F>; ++plane) {

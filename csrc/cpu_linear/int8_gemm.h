@@ -23,8 +23,11 @@
 //     tile row i, the low four bits of the code of feature 4 k + t (low nibble) and of feature
 //     16 + 4 k + t (high nibble): chunk k gives the operands of features 4k.. (low) and 16 + 4k..
 //     (high) for vpdpbusd, which sums four adjacent byte products into each 32-bit lane.
-//   Bit planes (Q5_0: bit 4; Q6_K: bits 4 and 5): 64 bytes each, eight 64-bit masks in operand order
-//     (chunk 0 low, ..., chunk 3 low, chunk 0 high, ..., chunk 3 high), bit 4 i + t as above.
+//   Bit plane (Q5_0: bit 4): 64 bytes, eight 64-bit masks in operand order (chunk 0 low, ..., chunk 3
+//     low, chunk 0 high, ..., chunk 3 high), bit 4 i + t as above.
+//   Crumbs (Q6_K: bits 4 and 5): 128 bytes, two chunks of 64; byte 4 i + t of chunk h holds those bits
+//     of operand 4 h + k's code in bits 2 k and 2 k + 1 (shifts and masks, no mask registers, unpack
+//     them: ops that run beside vpdpbusd).
 //   Bytes (Q8_0): 512 bytes, eight chunks of 64 in operand order, byte 4 i + t = code of feature
 //     4 k + t (k < 4) or 16 + 4 (k - 4) + t, i.e. operand k covers features 4k..4k+3 in every format.
 //   Params, after the codes: see Int8Format.
@@ -45,7 +48,7 @@ constexpr int64_t kGroupCols = 32;
 // The GGUF types, with u the stored (unsigned) code, as [super-block header] + per group:
 //   Q4_K: header d, dmin float16 [16]; group: nibbles, sc uint8 [16], m uint8 [16];
 //         w = (d sc) u - (dmin m), u in 0..15.
-//   Q6_K: header d float16 [16]; group: nibbles, planes 4 and 5, sc int8 [2][16] (features 0-15,
+//   Q6_K: header d float16 [16]; group: nibbles, crumbs, sc int8 [2][16] (features 0-15,
 //         16-31); w = (d sc) (u - 32), u in 0..63.
 //   Q5_0: group: nibbles, plane 4, d float16 [16]; w = d (u - 16), u in 0..31.
 //   Q8_0: group: bytes, d float16 [16]; w = d (u - 128), u in 0..255 (the file's int8 code + 128).

@@ -211,16 +211,21 @@ def _operand_order(codes: np.ndarray) -> np.ndarray:
     return t.transpose(0, 2, 3, 1, 4)
 
 
-def _nibbles_and_planes(u: np.ndarray, planes: int) -> np.ndarray:
-    """u [out, groups, 32] -> [tiles, groups, 256 + 64 planes]: chunk k's byte holds operand k's
-    code in its low nibble and operand k + 4's in its high one; plane p's bit (4 i + t) of qword j is
-    bit 4 + p of operand j's code."""
+def _nibbles_and_planes(u: np.ndarray, planes: int = 0, crumbs: bool = False) -> np.ndarray:
+    """u [out, groups, 32] -> [tiles, groups, 256 + ...]: chunk k's byte holds operand k's code in its
+    low nibble and operand k + 4's in its high one; then either `planes` bit planes (plane p's bit
+    4 i + t of qword j is bit 4 + p of operand j's code) or, with crumbs, bits 4-5 of every code in
+    two chunks of 64 bytes (chunk h's byte 4 i + t holds operand 4 h + k's in bits 2k, 2k + 1)."""
     ops = _operand_order(u)
     nibbles = (ops[:, :, :4] & 15) | ((ops[:, :, 4:] & 15) << 4)  # [tiles, groups, 4, 16, 4]
     parts = [nibbles.reshape(*ops.shape[:2], 256)]
     for plane in range(planes):
         bits = ((ops >> (4 + plane)) & 1).reshape(*ops.shape[:3], 64)
         parts.append(np.packbits(bits, axis=-1, bitorder="little").reshape(*ops.shape[:2], 64))
+    if crumbs:
+        high = ((ops >> 4) & 3).reshape(*ops.shape[:2], 2, 4, 64)  # [tiles, groups, h, k, 4 i + t]
+        packed = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4) | (high[:, :, :, 3] << 6)
+        parts.append(packed.reshape(*ops.shape[:2], 128).astype(np.uint8))
     return np.concatenate(parts, axis=-1)
 
 
@@ -234,7 +239,7 @@ def _pack_int8_q4_k(blocks):  # [out, n, 144]
     sc, m = _k_scales(blocks[..., 4:16].reshape(-1, 12))
     qs = blocks[..., 16:144].reshape(out, n, 4, 1, 32)  # chunk c: low nibbles group 2c, high 2c + 1
     u = np.concatenate([qs & 15, qs >> 4], axis=3).reshape(out, n * 8, 32)
-    groups = np.concatenate([_nibbles_and_planes(u, 0),
+    groups = np.concatenate([_nibbles_and_planes(u),
                              _by_tile(sc.astype(np.uint8).reshape(out, n * 8)),
                              _by_tile(m.astype(np.uint8).reshape(out, n * 8))], axis=-1)
     header = np.concatenate([_by_tile(_float16_bytes(blocks, 0)), _by_tile(_float16_bytes(blocks, 2))], axis=-1)
@@ -246,7 +251,8 @@ def _pack_int8_q6_k(blocks):  # [out, n, 210]
     codes, _, _ = _q6_k(blocks.reshape(-1, 210))
     u = (codes.astype(np.int16) + 32).astype(np.uint8).reshape(out, n * 8, 32)
     scales = blocks[..., 192:208].reshape(out, n * 8, 2)  # group g: features 0-15, then 16-31
-    groups = np.concatenate([_nibbles_and_planes(u, 2), _by_tile(scales[..., 0]), _by_tile(scales[..., 1])], axis=-1)
+    groups = np.concatenate([_nibbles_and_planes(u, crumbs=True), _by_tile(scales[..., 0]), _by_tile(scales[..., 1])],
+                            axis=-1)
     return _by_tile(_float16_bytes(blocks, 208)), groups
 
 
@@ -254,7 +260,7 @@ def _pack_int8_q5_0(blocks):  # [out, n, 22]
     out, n, _ = blocks.shape
     codes, _, _ = _q5_0(blocks.reshape(-1, 22))
     u = (codes.astype(np.int16) + 16).astype(np.uint8).reshape(out, n, 32)
-    return None, np.concatenate([_nibbles_and_planes(u, 1), _by_tile(_float16_bytes(blocks, 0))], axis=-1)
+    return None, np.concatenate([_nibbles_and_planes(u, planes=1), _by_tile(_float16_bytes(blocks, 0))], axis=-1)
 
 
 def _pack_int8_q8_0(blocks):  # [out, n, 34]
@@ -437,7 +443,7 @@ def _file_stamp(path: Path) -> Dict[str, str]:
     return {"version": CACHE_VERSION, "gguf_size": str(stat.st_size), "gguf_mtime_ns": str(stat.st_mtime_ns)}
 
 
-CACHE_VERSION = "fsd_ext.gguf_linears/3"  # 3: the int8 layout's entries (fmt "int8")
+CACHE_VERSION = "fsd_ext.gguf_linears/4"  # 3: the int8 layout (fmt "int8"); 4: its Q6_K in crumbs
 
 
 def _cached_rows(codes, params, fmt: str, type_name: str, block: int) -> torch.Tensor:

@@ -91,8 +91,8 @@ double weight(const Matrix& m, int64_t o, int64_t c) {
   } else {
     const uint8_t byte = g[64 * (operand % 4) + bit];
     u = operand < 4 ? byte & 15 : byte >> 4;
-    for (int plane = 0; plane < (f == Int8Format::Q6_K ? 2 : f == Int8Format::Q5_0 ? 1 : 0); ++plane)
-      u |= ((g[256 + 64 * plane + 8 * operand + bit / 8] >> (bit % 8)) & 1) << (4 + plane);
+    if (f == Int8Format::Q5_0) u |= ((g[256 + 8 * operand + bit / 8] >> (bit % 8)) & 1) << 4;
+    if (f == Int8Format::Q6_K) u |= ((g[256 + 64 * (operand / 4) + bit] >> (2 * (operand % 4))) & 3) << 4;
   }
   const uint8_t* params = g + fsd_cpu_linear::int8_group_bytes(f) - 32;
   switch (f) {
