@@ -60,23 +60,31 @@ class FsdEngine:
         self.model = model
         self.pad = torch.zeros(1, dtype=torch.int64)
 
+    def prefilled(self, ids: torch.Tensor):
+        """(the model with `ids` read into a fresh cache, seconds that took)."""
+        cached = _CachedModel(self.model, self.pad, ids.shape[1] + 64, use_graphs=False)
+        start = time.perf_counter()
+        cached(ids, 1, prefill=True)
+        seconds = time.perf_counter() - start
+        cached.cache.lengths += ids.shape[1]
+        return cached, seconds
+
+    @staticmethod
+    def forward_seconds(cached, ids: torch.Tensor, steps: int, repeats: int) -> float:
+        """Median seconds of a forward of the last `steps` prompt tokens again, at the same slots."""
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            cached(ids[:, -steps:], steps)
+            runs.append(time.perf_counter() - start)
+        return statistics.median(runs)
+
     def forwards(self, ids: torch.Tensor, repeats: int) -> dict:
         """Seconds of the prompt's forward and median seconds of 1- and 6-token forwards after it."""
         with torch.inference_mode():
-            cached = _CachedModel(self.model, self.pad, ids.shape[1] + 64, use_graphs=False)
-            start = time.perf_counter()
-            cached(ids, 1, prefill=True)
-            prefill = time.perf_counter() - start
-            cached.cache.lengths += ids.shape[1]
-            times = {}
-            for steps in (1, 6):
-                runs = []
-                for _ in range(repeats):
-                    start = time.perf_counter()
-                    cached(ids[:, -steps:], steps)
-                    runs.append(time.perf_counter() - start)
-                times[steps] = statistics.median(runs)
-        return {"prefill_s": prefill, "forward_1_s": times[1], "forward_6_s": times[6]}
+            cached, prefill = self.prefilled(ids)
+            return {"prefill_s": prefill, "forward_1_s": self.forward_seconds(cached, ids, 1, repeats),
+                    "forward_6_s": self.forward_seconds(cached, ids, 6, repeats)}
 
     def greedy(self, ids: torch.Tensor, new_tokens: int) -> dict:
         out = generate(self.model, None, ids, rule="ar", temperature=0.0, max_new_tokens=new_tokens,

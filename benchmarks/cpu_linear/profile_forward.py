@@ -22,9 +22,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_vs_llamacpp import FsdEngine  # noqa: E402
 from fsd_ext import cpu_linear, models  # noqa: E402
 from fsd_ext.bench import humaneval  # noqa: E402
-from fsd_ext.generate import _CachedModel  # noqa: E402
 
 GROUPS = {  # torch.profiler op name -> group
     "fsd_cpu_linear::quant_linear": "linear products", "fsd_cpu_linear::int8_linear": "linear products",
@@ -71,22 +72,17 @@ def products_alone(model, steps: int, repeats: int) -> float:
 
 
 def forwards(model, ids, repeats: int, profile: bool = False):
+    """Median seconds of 1- and 6-token forwards after the prompt (bench_vs_llamacpp's timing), and
+    with `profile` torch.profiler's self seconds per op group of each."""
+    engine = FsdEngine(model)
+    times, groups = {}, {}
     with torch.inference_mode():
-        cached = _CachedModel(model, torch.zeros(1, dtype=torch.int64), ids.shape[1] + 16, use_graphs=False)
-        cached(ids, 1, prefill=True)
-        cached.cache.lengths += ids.shape[1]
-        times, groups = {}, {}
+        cached, _ = engine.prefilled(ids)
         for steps in (1, 6):
-            runs = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                cached(ids[:, -steps:], steps)
-                runs.append(time.perf_counter() - start)
-            times[steps] = statistics.median(runs)
+            times[steps] = engine.forward_seconds(cached, ids, steps, repeats)
             if profile:
                 with torch.profiler.profile() as prof:
-                    for _ in range(repeats):
-                        cached(ids[:, -steps:], steps)
+                    engine.forward_seconds(cached, ids, steps, repeats)
                 totals = {}
                 for event in prof.key_averages():
                     group = GROUPS.get(event.key, "other ops")

@@ -1,11 +1,12 @@
-"""The CPU linear kernels of decoding: faster few-row `nn.Linear` products on the CPU.
+"""CPU model execution for decoding: faster linear layers, attention and decoder layers on the CPU.
 
 A component of its own beside the FSD core (which does not use it): its C++ is csrc/cpu_linear/,
 its torch ops `torch.ops.fsd_cpu_linear.*` live in their own extension (fsd_ext.cpu_linear._C).
 `fsd_ext.models.load` puts it into the models it loads where it pays off; for a model of your
-own, `use_skinny_cpu_linears(model)`, `store_linear_weights_bfloat16(model)` or
-`gguf_weights.load_gguf_linear_weights(model, path)`. `fsd_ext.generate` runs whatever modules the
-models have.
+own, `use_skinny_cpu_linears(model)`, `store_linear_weights_bfloat16(model)`,
+`gguf_weights.load_gguf_linear_weights(model, path, activations=...)`,
+`attention.use_grouped_attention(model)` or `fused.fuse_decoder_layers(model)`.
+`fsd_ext.generate` runs whatever modules the models have.
 
 CPU decoding is bound by reading the weights: the target's verification multiplies K+1 rows by
 every weight matrix, the draft's catch-up 2 rows, an AR or draft step one.
@@ -18,6 +19,11 @@ every weight matrix, the draft's catch-up 2 rows, an AR or draft step one.
   activations (half the weight bytes).
 - `QuantWeightLinear` (csrc/cpu_linear/quant_gemm.cpp) keeps a GGUF file's own 4-8-bit codes
   (0.75-1.25 bytes a weight), every weight exactly the file's float32 value.
+- `QuantInt8Linear` (csrc/cpu_linear/int8_gemm.cpp, the default with AVX512-VNNI) keeps the file's
+  Q4_K / Q6_K / Q5_0 / Q8_0 blocks in their own size (0.58-1.06 bytes a weight) and multiplies them
+  with x quantised to int8 per 32 features by int8 dot products, for any number of rows.
+- `attention.grouped_sdpa` (no copy of the cache per query head) and `fused.fuse_decoder_layers`
+  (a decoding step's decoder layer in one op, csrc/cpu_linear/torch_int8.cpp and decode_ops.cpp).
 
 Each kernel stays only while it beats what PyTorch ships for the same job end to end by 1.25x
 or more on some supported CPU: the measurements are in docs/cpu.md.

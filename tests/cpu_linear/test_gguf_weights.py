@@ -499,3 +499,16 @@ class _NoTokenizer:
 
     def save_pretrained(self, folder):
         pass
+
+
+@pytest.mark.parametrize("path_name,device,expected", [
+    ("avx512-vnni", "cpu", "int8"), ("portable", "cpu", "float32"), ("", "cpu", "float32"),
+    ("avx512-vnni", "cuda", "float32"),
+])
+def test_default_activations_follow_the_cpu(monkeypatch, path_name, device, expected):
+    """int8 activations by default only where the int8 kernel has its vector path (AVX512-VNNI);
+    elsewhere the float32-activation kernels (a portable int8 loop would be slower than them)."""
+    monkeypatch.setattr(cpu_linear, "int8_linear_path", lambda: path_name)
+    assert models.default_activations(device) == expected
+    with pytest.raises(ValueError, match="activations must be"):
+        models.load("qwen2.5-coder-1.5b", activations="int4")
