@@ -6,6 +6,7 @@ few coding prompts with the offline Qwen2.5-Coder 1.5B/0.5B pair, or any pair yo
     fsd-ext generate --target T --draft D --prompt "def quicksort(xs):" --rule fsd --threshold 0.3
     fsd-ext calibrate --divergence js --max-deviation 0.01,0.02 --humaneval 0-9
     fsd-ext bench frontier --problems 20            # HumanEval pass@1 vs tokens/s sweep
+    fsd-ext cache list | verify | clear [NAME]      # the converted-weights cache
 """
 
 from __future__ import annotations
@@ -277,6 +278,41 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_cache(args) -> int:
+    from . import cache_files, models
+
+    artefacts = models.cached_artefacts()
+    if args.name is not None:
+        artefacts = [a for a in artefacts if a.name == args.name]
+        if not artefacts:
+            print(f"nothing cached for {args.name!r} in {models.cache_dir()}", file=sys.stderr)
+            return 1 if args.cache_command != "clear" else 0
+    if args.cache_command == "list":
+        print(f"{models.cache_dir()}:")
+        for a in artefacts:
+            print(f"{a.name:<28} {a.kind:<13} {cache_files.size_on_disk(a.path) / 1e6:>10.1f} MB  {a.path.name}")
+        total = sum(cache_files.size_on_disk(a.path) for a in artefacts)
+        print(f"{len(artefacts)} artefacts, {total / 1e6:.1f} MB on disk")
+        return 0
+    if args.cache_command == "verify":
+        bad = 0
+        for a in artefacts:
+            try:
+                models.verify_artefact(a)
+                print(f"ok   {a.kind:<13} {a.path}")
+            except cache_files.CorruptCache as error:
+                bad += 1
+                print(f"BAD  {a.kind:<13} {error}")
+        if bad:
+            print(f"{bad} damaged: `fsd-ext cache clear NAME` deletes a model's artefacts; the next load "
+                  f"rebuilds them", file=sys.stderr)
+        return 1 if bad else 0
+    for a in artefacts:  # clear
+        models.remove_artefact(a)
+        print(f"deleted {a.path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .models import DEFAULT_DRAFT, DEFAULT_TARGET, names
 
@@ -329,6 +365,16 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench.cli import add_frontier_parser  # the harness loads only when the CLI is built
 
     add_frontier_parser(bench.add_subparsers(dest="bench_command", required=True))
+
+    cache = sub.add_parser("cache", help="the converted-weights cache ($FSD_EXT_CACHE, else ~/.cache/fsd_ext)")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True)
+    for command, text in [("list", "each artefact and its size on disk"),
+                          ("verify", "check every artefact against its digests in full (exit 1 if any differs)"),
+                          ("clear", "delete the cached artefacts (of one model with NAME)")]:
+        one = cache_sub.add_parser(command, help=text)
+        one.add_argument("name", nargs="?", default=None, metavar="NAME",
+                         help=f"one model: {', '.join(names())} or a GGUF file's name without .gguf")
+        one.set_defaults(func=cmd_cache)
     return parser
 
 

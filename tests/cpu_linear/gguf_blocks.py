@@ -108,3 +108,38 @@ def write_gguf(model, arch: str, path, *, permute: bool = True, f16_layer: str =
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_checkpoint_gguf(model, arch: str, path):
+    """A GGUF file with model's config and every parameter (2-D weights as Q8_0, the rest F32),
+    named by gguf-py's map, as llama.cpp's converter would write it (llama: q / k rows permuted)."""
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(config.vocab_size)
+    arch_id = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
+    name_map = gguf.get_tensor_name_map(arch_id, config.num_hidden_layers)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        module, _, kind = name.rpartition(".")
+        weight = tensor.numpy()
+        if arch == "llama" and module.endswith(("q_proj", "k_proj")):
+            heads = config.num_attention_heads if module.endswith("q_proj") else config.num_key_value_heads
+            weight = weight[llama_cpp_row_order(weight.shape[0], heads)]
+        gguf_name = f"{name_map.get_name(module)}.{kind}"
+        if weight.ndim == 2:
+            writer.add_tensor(gguf_name, gguf.quants.quantize(weight, QT.Q8_0), raw_dtype=QT.Q8_0)
+        else:
+            writer.add_tensor(gguf_name, weight)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
