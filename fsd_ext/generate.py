@@ -199,9 +199,9 @@ class _CachedModel:
     graphs on, both kept from call to call: fsd_ext.cuda_graphs) and its call counters."""
 
     def __init__(self, model, pad: torch.Tensor, capacity: int, use_graphs: bool, role: str = "target",
-                 slots: int = 1):
-        """capacity: the most slots per row the call can need; slots: what its first forwards need.
-        The cache starts at capacity_for(slots, capacity) and grows with reserve()."""
+                 slots: Optional[int] = None):
+        """capacity: the most slots per row the call can need; slots: what its first forwards need
+        (None: capacity). The cache starts at capacity_for(slots, capacity) and grows with reserve()."""
         self.model = model
         self.most_slots = capacity
         self.use_graphs = use_graphs
@@ -214,7 +214,7 @@ class _CachedModel:
         self.keep_arg = next((name for name in ("logits_to_keep", "num_logits_to_keep")
                               if name in params), None)
         # Last: a graph state is given back by release(), which a failed __init__ never reaches.
-        start = capacity_for(slots, capacity)
+        start = capacity_for(capacity if slots is None else slots, capacity)
         self.graph_state = cuda_graphs.acquire(model, role, pad, start) if use_graphs else None
         self.cache = self.graph_state.cache if use_graphs else StaticKVCache(pad, start)
 

@@ -846,6 +846,10 @@ def test_capacity_doubles_and_stops_at_what_the_call_can_need():
     assert [capacity_for(slots, 10**6) for slots in (1, 256, 257, 600, 5000)] == [256, 256, 512, 1024, 8192]
     assert capacity_for(600, 700) == 768  # the most a call can need, rounded up to 256
     assert capacity_for(900, 700) == 1024  # never less than asked
+    gen = importlib.import_module("fsd_ext.generate")
+    ids = torch.tensor([0])
+    assert gen._CachedModel(tiny_llama(0, layers=1), ids, 600, use_graphs=False).cache.capacity == 768  # all
+    assert gen._CachedModel(tiny_llama(0, layers=1), ids, 600, use_graphs=False, slots=20).cache.capacity == 256
 
 
 @pytest.mark.parametrize("rule,temperature", [("ar", 0.0), ("greedy", 0.0), ("sd", 1.0), ("fsd", 0.8)])
