@@ -87,8 +87,8 @@ class GraphState:
         self.graphs[key] = CapturedForward(forward, input_ids, keep, pool)
 
     def grow(self, capacity: int) -> None:
-        """Grow the cache to `capacity` slots per row; the graphs, which read the old buffers (and
-        attend over the old capacity), go first, so their pool is free before the new buffers come."""
+        """Grow the cache to `capacity` slots per row. The graphs go first: they read the old buffers
+        and attend over the old capacity (and their pool can then be reclaimed)."""
         self.graphs.clear()
         self.cache.grow(capacity)
 
@@ -105,7 +105,7 @@ _lock = threading.Lock()  # over _states and every state's in_use
 
 def acquire(model, role: str, pad: torch.Tensor, capacity: int) -> GraphState:
     """The state a call of len(pad) rows (leading padding `pad`) starting with `capacity` slots per
-    row (a kv_cache.capacity_for) decodes `model` in `role` with: the kept one when it fits, reset to
+    row (kv_cache.capacity_for) decodes `model` in `role` with: the kept one when it fits, reset to
     these rows; else a new one. Give it back with release() when the call ends."""
     with _lock:
         roles = _states.setdefault(model, {})
