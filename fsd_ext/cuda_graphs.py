@@ -12,10 +12,13 @@ of a short call; so each model keeps its static KV cache and the graphs captured
   tensor or a hook gets a new state. Other changes to what the forward computes (e.g. switching
   a PEFT adapter) are not seen: call release_cuda_graphs(model) after them;
 - the call has at most the cached batch size (fewer rows use the cache's first rows, and the
-  graphs captured for those sizes) and needs at most the cached capacity, but not less than half
-  of it (the graphs' attention reads the whole cache).
+  graphs captured for those sizes) and starts with at most the cached capacity, but not less than
+  half of it (the graphs' attention reads the whole cache).
 
-Otherwise the call builds a new state (capacity rounded up to 256 slots) that replaces the old one.
+Otherwise the call builds a new state that replaces the old one. A call's cache starts with what
+its prompt and first step need and grows as it produces tokens (fsd_ext.kv_cache.capacity_for:
+256 x 2^i slots); a growth moves the cache's buffers, so it drops the state's graphs, and each
+shape is captured again at the new capacity (log2 of the growth times per call, at most).
 A model keeps one state per role (target, draft: one model may serve as both). A state serves one
 call at a time: a model in the same role in two threads at once gets a private state for the
 second. A reused cache is zeroed first (a failed
@@ -34,9 +37,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .kv_cache import StaticKVCache
-
-CAPACITY_STEP = 256  # a new state's capacity is a multiple of this
+from .kv_cache import CAPACITY_STEP, StaticKVCache
 
 
 class CapturedForward:
@@ -85,6 +86,12 @@ class GraphState:
         pool = next(iter(self.graphs.values())).pool if self.graphs else None
         self.graphs[key] = CapturedForward(forward, input_ids, keep, pool)
 
+    def grow(self, capacity: int) -> None:
+        """Grow the cache to `capacity` slots per row. The graphs go first: they read the old buffers
+        and attend over the old capacity (and their pool can then be reclaimed)."""
+        self.graphs.clear()
+        self.cache.grow(capacity)
+
     def fits(self, model, batch: int, capacity: int) -> bool:
         cached = self.cache.capacity
         return (batch <= self.cache.max_batch and capacity <= cached <= 2 * max(capacity, CAPACITY_STEP)
@@ -97,9 +104,9 @@ _lock = threading.Lock()  # over _states and every state's in_use
 
 
 def acquire(model, role: str, pad: torch.Tensor, capacity: int) -> GraphState:
-    """The state a call of len(pad) rows (leading padding `pad`) needing `capacity` slots per row
-    decodes `model` in `role` with: the kept one when it fits, reset to these rows; else a new one.
-    Give it back with release() when the call ends."""
+    """The state a call of len(pad) rows (leading padding `pad`) starting with `capacity` slots per
+    row (kv_cache.capacity_for) decodes `model` in `role` with: the kept one when it fits, reset to
+    these rows; else a new one. Give it back with release() when the call ends."""
     with _lock:
         roles = _states.setdefault(model, {})
         state = roles.get(role)
@@ -109,7 +116,7 @@ def acquire(model, role: str, pad: torch.Tensor, capacity: int) -> GraphState:
             state.cache.reset(pad)
         else:
             roles.pop(role, None)  # free the old graphs and cache before allocating new ones
-            state = GraphState(model, pad, -(-capacity // CAPACITY_STEP) * CAPACITY_STEP)
+            state = GraphState(model, pad, capacity)
             roles[role] = state
         state.in_use = True
         return state

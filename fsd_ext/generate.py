@@ -47,7 +47,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from . import cuda_graphs, ops, reference
-from .kv_cache import StaticKVCache
+from .kv_cache import StaticKVCache, capacity_for
 from .types import DIVERGENCES, DRAFT_LENGTHS, PURPOSE_ACCEPT, RULES
 
 # The two ops the loop uses: the compiled kernels, or the pure-torch reference with the same contract
@@ -198,8 +198,12 @@ class _CachedModel:
     """A Hugging Face causal LM in one generate call: its StaticKVCache, its captured graphs (with
     graphs on, both kept from call to call: fsd_ext.cuda_graphs) and its call counters."""
 
-    def __init__(self, model, pad: torch.Tensor, capacity: int, use_graphs: bool, role: str = "target"):
+    def __init__(self, model, pad: torch.Tensor, capacity: int, use_graphs: bool, role: str = "target",
+                 slots: Optional[int] = None):
+        """capacity: the most slots per row the call can need; slots: what its first forwards need
+        (None: capacity). The cache starts at capacity_for(slots, capacity) and grows with reserve()."""
         self.model = model
+        self.most_slots = capacity
         self.use_graphs = use_graphs
         self.calls, self.capture_seconds = 0, 0.0  # warm-ups and captures are not in seconds
         self.clock = _ForwardClock(next(model.parameters()).is_cuda)
@@ -210,8 +214,21 @@ class _CachedModel:
         self.keep_arg = next((name for name in ("logits_to_keep", "num_logits_to_keep")
                               if name in params), None)
         # Last: a graph state is given back by release(), which a failed __init__ never reaches.
-        self.graph_state = cuda_graphs.acquire(model, role, pad, capacity) if use_graphs else None
-        self.cache = self.graph_state.cache if use_graphs else StaticKVCache(pad, capacity)
+        start = capacity_for(capacity if slots is None else slots, capacity)
+        self.graph_state = cuda_graphs.acquire(model, role, pad, start) if use_graphs else None
+        self.cache = self.graph_state.cache if use_graphs else StaticKVCache(pad, start)
+
+    def reserve(self, slots: int) -> None:
+        """Make the cache hold `slots` slots per row before forwards that write up to there: grown to
+        capacity_for(slots, ...) when smaller (with graphs, dropping those captured over the old
+        buffers: the next forward of each shape captures again)."""
+        if slots <= self.cache.capacity:
+            return
+        capacity = capacity_for(slots, self.most_slots)
+        if self.graph_state is not None:
+            self.graph_state.grow(capacity)
+        else:
+            self.cache.grow(capacity)
 
     def _forward(self, input_ids: torch.Tensor, keep: int) -> torch.Tensor:
         """[B, S] token ids appended at each row's length -> logits [B, keep, V] of the last keep."""
@@ -496,6 +513,7 @@ class _Decoder:
     def run(self) -> List[List[int]]:
         """Step until every row has stopped -> each row's generated tokens."""
         while any(self.live):
+            self._reserve()
             out = self._speculative_step() if self.settings.speculative else self._ar_step()
             pending = out.tokens[torch.arange(len(self.rows), device=self.device),
                                  out.num_accepted]  # [B]
@@ -506,6 +524,13 @@ class _Decoder:
             self._record(out)
             self._shrink()
         return self.generated
+
+    def _reserve(self) -> None:
+        """Grow the caches to hold this step's writes: at most k + 1 slots from the longest row's
+        length (a parked row's included: it rewrites past its end). One host sync per step."""
+        slots = int(self.target_model.cache.lengths.max()) + self.settings.k + 1
+        for cached in self.models:
+            cached.reserve(slots)
 
     def _ar_step(self) -> _StepOutput:
         """The target alone: one one-token forward and one sample per row."""
@@ -755,9 +780,11 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         stats.sd_rejected_accepted = 0  # sd: by definition
     cached_models = []  # their graph states (CUDA) go back when the call ends, however it ends
     try:
-        target_model = _CachedModel(target, pad, capacity, use_graphs)
+        # The caches start with what the prompt and the first step write and grow with the tokens.
+        first_slots = prompt_len + settings.k + 1
+        target_model = _CachedModel(target, pad, capacity, use_graphs, slots=first_slots)
         cached_models.append(target_model)
-        draft_model = (_CachedModel(draft, pad, capacity, use_graphs, role="draft")
+        draft_model = (_CachedModel(draft, pad, capacity, use_graphs, role="draft", slots=first_slots)
                        if settings.speculative else None)
         cached_models += [draft_model] if draft_model is not None else []
         prefill_start = time.perf_counter()

@@ -6,6 +6,10 @@ cache is the minimum that allows it:
 
 - K/V of every layer live in preallocated buffers [B, H_kv, capacity, D] (allocated at the first
   write, so no model config has to be read);
+- the capacity grows with what is written, not with what a call might write: before a forward that
+  would pass it, the caller calls `grow` (to `capacity_for(...)`: doubling, so the copies cost O(1)
+  per slot over a call), which moves the buffers to new, larger ones (new addresses: CUDA graphs
+  captured over the old ones must go);
 - row b's committed tokens occupy slots [0, lengths[b]); slots [0, pad[b]) hold left padding and
   are never attended to;
 - a forward of S new tokens writes row b's tokens to slots lengths[b] + 0..S-1 (`write_slots`),
@@ -28,13 +32,25 @@ from typing import List, Tuple
 
 import torch
 
+CAPACITY_STEP = 256  # capacities are CAPACITY_STEP x 2^i slots, or a multiple of it (capacity_for)
+
+
+def capacity_for(slots: int, most: int) -> int:
+    """The capacity a cache grows to when it must hold `slots` slots per row and its call never
+    needs more than `most`: the smallest CAPACITY_STEP x 2^i >= slots, but no more than `most`
+    rounded up to CAPACITY_STEP (so calls of similar lengths get the same capacities)."""
+    capacity = CAPACITY_STEP
+    while capacity < slots:
+        capacity *= 2
+    return min(capacity, -(-max(slots, most) // CAPACITY_STEP) * CAPACITY_STEP)
+
 
 class StaticKVCache:
     """Per-row-length static KV cache (see the module docstring).
 
     Args:
         pad: [B] int64, the number of leading padding slots of each row (B = max_batch).
-        capacity: slots per row; a row must never be written past it.
+        capacity: slots per row to start with; a row must never be written past it (grow first).
     """
 
     def __init__(self, pad: torch.Tensor, capacity: int):
@@ -86,6 +102,19 @@ class StaticKVCache:
         for buffer in [self._pad, self._lengths] + self._keys + self._values:
             buffer[:kept] = buffer[rows]  # (the right side is a copy: any order of rows is safe)
         self._use_rows(kept)
+
+    def grow(self, capacity: int) -> None:
+        """Make room for `capacity` (> capacity) slots per row: each layer's K/V move to new buffers,
+        zeroed past the old slots. Every buffer gets a new address (and the views in keys / values
+        with it). At most the old buffers and one new one are held at once."""
+        if capacity <= self.capacity:
+            raise ValueError(f"the cache holds {self.capacity} slots per row, cannot grow to {capacity}")
+        for buffers, views in ((self._keys, self.keys), (self._values, self.values)):
+            for layer, old in enumerate(buffers):
+                new = old.new_zeros(old.shape[:2] + (capacity,) + old.shape[3:])  # [max_batch, H_kv, capacity, D]
+                new[:, :, :self.capacity] = old
+                buffers[layer], views[layer] = new, new[:self.batch]  # (the old buffer goes now)
+        self.capacity = capacity
 
     def reset(self, pad: torch.Tensor) -> None:
         """Start over with len(pad) <= max_batch rows of `pad` leading padding slots and nothing

@@ -542,8 +542,9 @@ def test_graph_path_parks_stopped_rows_until_a_power_of_two(target, draft, monke
 
 def test_graph_state_is_reused_by_later_calls(target, draft, monkeypatch):
     """The cache and graphs of a graph-path call serve later calls that fit (no new capture, the
-    same tokens as eager), including smaller batches; a larger batch, a much longer call or moved
-    weights get a new state; a failing call gives its state back."""
+    same tokens as eager), including smaller batches and a larger max_new_tokens; a larger batch, a
+    cache grown past twice what the call starts with or moved weights get a new state; a failing
+    call gives its state back."""
     ids, mask = random_prompts([5, 12, 2, 7, 9, 3], seed=43)
     kwargs = dict(rule="fsd", temperature=0.0, threshold=0.3, num_draft_tokens=3, max_new_tokens=20,
                   eos_token_id=list(range(3, VOCAB, 9)))
@@ -564,8 +565,11 @@ def test_graph_state_is_reused_by_later_calls(target, draft, monkeypatch):
     _, made, again = run(torch.cat([ids, ids[:2]]), torch.cat([mask, mask[:2]]))  # 8 rows
     assert again is not state and (8, 1, 1) in made
     state = again
-    _, _, again = run(ids, mask, max_new_tokens=600)  # needs over twice the cached capacity
-    assert again is not state and again.cache.capacity % cuda_graphs.CAPACITY_STEP == 0
+    _, _, again = run(ids, mask, max_new_tokens=600)  # may need more, but its rows end early
+    assert again is state and state.cache.capacity == cuda_graphs.CAPACITY_STEP
+    state.grow(4 * cuda_graphs.CAPACITY_STEP)  # as a long call leaves it: over twice what a call starts with
+    _, made, again = run(ids, mask)
+    assert again is not state and made and again.cache.capacity == cuda_graphs.CAPACITY_STEP
     state = again
     weight = target.lm_head.weight
     with torch.no_grad():
@@ -759,6 +763,121 @@ def test_nan_logits_raise_a_clear_error(target, draft, monkeypatch, poisoned_mod
     with pytest.raises(RuntimeError, match=r"row\(s\) \[1\] hold NaN"):
         fsd_ext.generate(target, draft, ids, mask, rule="fsd", temperature=temperature,
                          max_new_tokens=20, seed=0, eos_token_id=[])
+
+
+# ----------------------------------------------------------------------------------------------
+# The static cache's memory: it grows with the tokens produced, not with max_new_tokens.
+
+def cache_bytes(cache) -> int:
+    """Bytes of K/V buffers a StaticKVCache holds."""
+    return sum(t.numel() * t.element_size() for t in cache._keys + cache._values)
+
+
+def record_caches(monkeypatch) -> list:
+    """Every StaticKVCache that generate() makes off the graph path from now on (a list that fills)."""
+    gen = importlib.import_module("fsd_ext.generate")
+    made = []
+
+    class Recorded(gen.StaticKVCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(gen, "StaticKVCache", Recorded)
+    return made
+
+
+@pytest.mark.parametrize("rule", ["ar", "sd"])
+def test_cache_memory_follows_the_answer_not_max_new_tokens(monkeypatch, rule):
+    """A ~64-token answer (stopped by EOS) under max_new_tokens=4_000_000 holds no more cache than
+    under max_new_tokens=64 (before: 4M slots per row, ~3 GB for these tiny models)."""
+    target, draft = tiny_llama(0, layers=2), tiny_llama(1, layers=1)  # flat: varied sampled tokens
+    ids, mask = random_prompts([9, 4], seed=50)
+    kwargs = dict(rule=rule, temperature=1.0, num_draft_tokens=3, seed=0)
+    # Sampled tokens depend on the seed alone: the 4M run repeats this one until the EOS chosen here,
+    # row 0's first token from the 64th on that it had not emitted before.
+    free = new_tokens(fsd_ext.generate(target, draft, ids, mask, max_new_tokens=200, eos_token_id=[],
+                                       **kwargs), ids.shape[1])[0]
+    stop = next(i for i in range(63, 190) if free[i] not in free[:i])
+    caches = record_caches(monkeypatch)
+    out = fsd_ext.generate(target, draft, ids, mask, max_new_tokens=4_000_000, eos_token_id=[free[stop]],
+                           **kwargs)
+    assert new_tokens(out, ids.shape[1])[0] == free[:stop + 1]
+    long_bytes = [cache_bytes(cache) for cache in caches]
+    caches.clear()
+    fsd_ext.generate(target, draft, ids, mask, max_new_tokens=64, eos_token_id=[], **kwargs)
+    short_bytes = [cache_bytes(cache) for cache in caches]
+    assert len(long_bytes) == len(short_bytes) == (1 if rule == "ar" else 2)
+    for long, short in zip(long_bytes, short_bytes):
+        assert 0 < long <= short, (long_bytes, short_bytes)
+
+
+def test_cache_growth_keeps_the_entries_and_moves_every_view():
+    """grow() copies each layer's slots into larger zeroed buffers; the live rows' views (keys,
+    values, layer_buffers, what update returns) all move with them."""
+    from fsd_ext.kv_cache import StaticKVCache
+
+    cache = StaticKVCache(torch.tensor([0, 2, 1]), capacity=4)
+    for layer in range(2):  # a 3-token prefill allocates both layers
+        cache.attention_inputs(3, torch.float32, 4)
+        cache.update(torch.randn(3, 2, 3, 8), torch.randn(3, 2, 3, 8), layer)
+    cache.lengths += 3
+    cache.select(torch.tensor([2, 0]))  # two live rows of three
+    before = [t.clone() for t in cache._keys + cache._values]
+    cache.grow(8)
+    assert cache.capacity == 8
+    for old, new in zip(before, cache._keys + cache._values):
+        assert new.shape == (3, 2, 8, 8) and torch.equal(new[:, :, :4], old) and not new[:, :, 4:].any()
+    assert all(view.data_ptr() == buffer.data_ptr() and view.shape == (2, 2, 8, 8)
+               for view, buffer in zip(cache.keys + cache.values, cache._keys + cache._values))
+    keys, values, _ = cache.layer_buffers(1)
+    assert keys is cache.keys[1] and values is cache.values[1]
+    new_keys = torch.randn(2, 2, 5, 8)
+    cache.attention_inputs(5, torch.float32, 8)  # slots 3..7: past the old capacity
+    got_keys, _ = cache.update(new_keys, torch.randn(2, 2, 5, 8), 0)
+    assert torch.equal(got_keys[:, :, 3:], new_keys) and torch.equal(got_keys[:, :, :3], before[0][:2, :, :3])
+    with pytest.raises(ValueError, match="cannot grow"):
+        cache.grow(8)
+
+
+def test_capacity_doubles_and_stops_at_what_the_call_can_need():
+    from fsd_ext.kv_cache import capacity_for
+
+    assert [capacity_for(slots, 10**6) for slots in (1, 256, 257, 600, 5000)] == [256, 256, 512, 1024, 8192]
+    assert capacity_for(600, 700) == 768  # the most a call can need, rounded up to 256
+    assert capacity_for(900, 700) == 1024  # never less than asked
+    gen = importlib.import_module("fsd_ext.generate")
+    ids = torch.tensor([0])
+    assert gen._CachedModel(tiny_llama(0, layers=1), ids, 600, use_graphs=False).cache.capacity == 768  # all
+    assert gen._CachedModel(tiny_llama(0, layers=1), ids, 600, use_graphs=False, slots=20).cache.capacity == 256
+
+
+@pytest.mark.parametrize("rule,temperature", [("ar", 0.0), ("greedy", 0.0), ("sd", 1.0), ("fsd", 0.8)])
+def test_tokens_do_not_change_when_the_cache_grows(target, draft, monkeypatch, rule, temperature):
+    """With 4-slot steps the caches grow several times mid-decode (doubling, at last to what the
+    call can need), eager and down the graph path, whose graphs are captured again after each
+    growth (ReplayByCall checks that no replay reads a moved tensor): the tokens equal a call whose
+    caches never grow."""
+    from fsd_ext import kv_cache
+
+    ids, mask = random_prompts([3, 11, 1, 6], seed=51)
+    kwargs = dict(rule=rule, temperature=temperature, threshold=0.3, num_draft_tokens=3,
+                  max_new_tokens=40, seed=torch.arange(4), eos_token_id=[])
+    expected = fsd_ext.generate(target, draft, ids, mask, **kwargs).sequences.tolist()  # 256 slots: no growth
+    grown = []
+    grow = kv_cache.StaticKVCache.grow
+    monkeypatch.setattr(kv_cache.StaticKVCache, "grow",
+                        lambda self, capacity: (grown.append((self.capacity, capacity)), grow(self, capacity)))
+    monkeypatch.setattr(kv_cache, "CAPACITY_STEP", 4)
+    eager = fsd_ext.generate(target, draft, ids, mask, **kwargs)
+    assert eager.sequences.tolist() == expected
+    # The first forwards need 11 + k + 1 slots (16); the call at most 11 + 1 + 40 + k + 1 (56).
+    models = 1 if rule == "ar" else 2
+    assert sorted(grown) == [(16, 32)] * models + [(32, 56)] * models, grown
+    graphed = generate_graph_shaped(monkeypatch, target, draft, ids, mask, **kwargs)
+    assert graphed.sequences.tolist() == expected
+    assert len(ReplayByCall.made) > len(set(ReplayByCall.made)), "no shape was captured again"
+    cuda_graphs.release_cuda_graphs()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -152,6 +152,30 @@ def test_fused_layers_give_the_models_own_results(tmp_path, arch):
         assert any(event.name == "fsd_cpu_linear::decoder_layer" for event in profile.events())
 
 
+@pytest.mark.skipif(not TRANSFORMERS_5, reason="fuse_decoder_layers patches transformers 5's modules only")
+def test_fused_layers_read_the_cache_after_it_grows(tmp_path, monkeypatch):
+    """decoder_layer writes and reads the buffers that layer_buffers hands out: after the caches
+    grow mid-decode (here from 16 to 28 slots, 4-slot steps) it must use the new ones, giving the
+    tokens of a call whose caches never grow."""
+    from fsd_ext import generate, kv_cache
+
+    fused, draft = int8_model("qwen2", tmp_path), int8_model("qwen2", tmp_path, seed=1)
+    fuse_decoder_layers(fused)
+    ids = torch.randint(0, 320, (2, 9), generator=torch.Generator().manual_seed(2))
+    for rule in ("ar", "sd"):
+        kwargs = dict(rule=rule, temperature=0.0, max_new_tokens=10, num_draft_tokens=5, eos_token_id=[])
+        expected = generate(fused, draft, ids, **kwargs).sequences  # 256 slots
+        grown = []
+        grow = kv_cache.StaticKVCache.grow
+        monkeypatch.setattr(kv_cache.StaticKVCache, "grow",
+                            lambda self, capacity: (grown.append(capacity), grow(self, capacity)))
+        monkeypatch.setattr(kv_cache, "CAPACITY_STEP", 4)
+        with torch.profiler.profile() as profile:
+            assert torch.equal(generate(fused, draft, ids, **kwargs).sequences, expected)
+        assert grown and any(event.name == "fsd_cpu_linear::decoder_layer" for event in profile.events())
+        monkeypatch.undo()
+
+
 def test_fusion_leaves_other_linear_layers_alone(tmp_path):
     """Layers with a linear that is not QuantInt8Linear keep their forward (the default types hold
     Q4_0 / Q4_1 / F16 layers)."""
