@@ -54,6 +54,7 @@ from .types import DIVERGENCES, DRAFT_LENGTHS, PURPOSE_ACCEPT, RULES
 # when the extension is not built. Switching is this one line.
 _accept, _sample = (ops.accept, ops.sample) if ops._IMPORT_ERROR is None else (reference.accept,
                                                                                reference.sample)
+_dry_run_accept = _accept  # check_options' one-row call: apart from the loop's, which tests spy on
 
 GENERATE_RULES = ("ar",) + RULES
 
@@ -327,7 +328,7 @@ def check_options(*, rule: str = "fsd", divergence: str = "js", threshold=0.3,
         raise ValueError(f"pad_token_id must be None or an int, got {pad_token_id!r}")
     # The sampling and FSD options meet the ops' own checks (csrc/torch/problem.h, the one place) on
     # a one-row, one-id problem here, rather than at the first step after the prompts' forwards.
-    _accept(torch.zeros(1, 2, 1), torch.zeros(1, 1, 1), torch.zeros(1, 1, dtype=torch.int64),
+    _dry_run_accept(torch.zeros(1, 2, 1), torch.zeros(1, 1, 1), torch.zeros(1, 1, dtype=torch.int64),
             rule=rule if rule in RULES else "fsd", divergence=divergence,
             threshold=0.0 if isinstance(threshold, torch.Tensor) else threshold,
             temperature=0.0 if rule == "greedy" else temperature, div_temperature=div_temperature,
