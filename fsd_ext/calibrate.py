@@ -162,6 +162,35 @@ def _check_fraction(value, name: str) -> float:
     return float(value)
 
 
+def check_calibrate_options(*, rule, divergence, max_deviation, thresholds, temperature,
+                            refine_steps, seed):
+    """calibrate()'s own options (no model needed; the command line checks them before loading)
+    -> (budgets, sorted threshold grid); raises ValueError."""
+    if rule not in CALIBRATE_RULES:
+        raise ValueError(f"rule must be one of {CALIBRATE_RULES}, got {rule!r}")
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    several = isinstance(max_deviation, Sequence) and not isinstance(max_deviation, str)
+    budgets = list(max_deviation) if several else [max_deviation]
+    if not budgets:
+        raise ValueError("max_deviation must be a float in [0, 1] or a non-empty list of them")
+    budgets = [_check_fraction(b, "max_deviation") for b in budgets]
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
+            or not 0.0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite float >= 0, got {temperature!r}")
+    if isinstance(refine_steps, bool) or not isinstance(refine_steps, numbers.Integral) \
+            or refine_steps < 0:
+        raise ValueError(f"refine_steps must be an int >= 0, got {refine_steps!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    grid = CALIBRATION_GRID[divergence] if thresholds is None else list(thresholds)
+    if not grid or any(isinstance(t, bool) or not isinstance(t, numbers.Real)
+                       or not 0.0 <= t < math.inf for t in grid):
+        raise ValueError(f"thresholds must be a non-empty list of finite floats >= 0, got {thresholds!r}")
+    grid = sorted({float(t) for t in grid})
+    return budgets, grid
+
+
 def calibrate(target, draft, prompts, *, divergence: str = "js",
               max_deviation: Union[float, Sequence[float]] = 0.02, rule: str = "fsd",
               thresholds: Optional[Sequence[float]] = None, temperature: float = 0.0,
@@ -203,28 +232,10 @@ def calibrate(target, draft, prompts, *, divergence: str = "js",
         ...                         divergence="js", max_deviation=0.02, eos_token_id=eos)
         >>> print(cal.summary()); cal.threshold
     """
-    if rule not in CALIBRATE_RULES:
-        raise ValueError(f"rule must be one of {CALIBRATE_RULES}, got {rule!r}")
-    if divergence not in DIVERGENCES:
-        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    budgets, grid = check_calibrate_options(
+        rule=rule, divergence=divergence, max_deviation=max_deviation, thresholds=thresholds,
+        temperature=temperature, refine_steps=refine_steps, seed=seed)
     several = isinstance(max_deviation, Sequence) and not isinstance(max_deviation, str)
-    budgets = list(max_deviation) if several else [max_deviation]
-    if not budgets:
-        raise ValueError("max_deviation must be a float in [0, 1] or a non-empty list of them")
-    budgets = [_check_fraction(b, "max_deviation") for b in budgets]
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
-            or not 0.0 <= temperature < math.inf:
-        raise ValueError(f"temperature must be a finite float >= 0, got {temperature!r}")
-    if isinstance(refine_steps, bool) or not isinstance(refine_steps, numbers.Integral) \
-            or refine_steps < 0:
-        raise ValueError(f"refine_steps must be an int >= 0, got {refine_steps!r}")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise ValueError(f"seed must be an int, got {seed!r}")
-    grid = CALIBRATION_GRID[divergence] if thresholds is None else list(thresholds)
-    if not grid or any(isinstance(t, bool) or not isinstance(t, numbers.Real)
-                       or not 0.0 <= t < math.inf for t in grid):
-        raise ValueError(f"thresholds must be a non-empty list of finite floats >= 0, got {thresholds!r}")
-    grid = sorted({float(t) for t in grid})
     reserved = sorted(set(generate_kwargs) & set(_OWN_ARGS))
     if reserved:
         raise ValueError(f"calibrate sets {', '.join(reserved)} itself: do not pass them")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import List, Optional
 
@@ -136,6 +137,49 @@ def _loop_kwargs(args) -> dict:
     return dict(top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                 div_temperature=args.div_temperature, draft_length=args.draft_length,
                 draft_confidence=args.draft_confidence, draft_cost=args.draft_cost)
+
+
+def _check_device(device: str) -> None:
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}") from None
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA "
+                         f"GPU(s) that torch can use; use --device cpu")
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu or cuda[:N], got {device!r}")
+
+
+def check_args(args) -> None:
+    """Every argument of generate / demo / calibrate, checked before anything is installed,
+    converted or loaded (the generation options by generate's own check_options): raises
+    ValueError or TypeError."""
+    from .generate import check_options
+    from .models import check_name
+
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    _check_device(args.device)
+    rules = args.rules.split(",") if args.command == "demo" else [args.rule]
+    for rule in rules:
+        check_options(rule=rule, divergence=args.divergence, threshold=getattr(args, "threshold", 0.0),
+                      num_draft_tokens=args.num_draft_tokens, temperature=args.temperature,
+                      max_new_tokens=args.max_new_tokens, **_loop_kwargs(args))
+    check_name(args.target)
+    if any(rule != "ar" for rule in rules):
+        check_name(args.draft)
+    if args.command == "calibrate":
+        from .calibrate import check_calibrate_options
+
+        check_calibrate_options(rule=args.rule, divergence=args.divergence,
+                                max_deviation=[b for group in args.max_deviation or [[0.02]] for b in group],
+                                thresholds=args.thresholds, temperature=args.temperature,
+                                refine_steps=args.refine_steps, seed=args.seed)
+        folder = os.path.dirname(os.path.abspath(args.json)) if args.json else None
+        if folder is not None and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            raise ValueError(f"--json {args.json}: the folder {folder} does not exist or is not "
+                             f"writable")
 
 
 def cmd_generate(args) -> int:
@@ -380,10 +424,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
     if args.command == "generate" and args.rule != "ar" and args.draft is None:
         build_parser().error("--draft is needed unless --rule ar")
+    if args.command in ("generate", "demo", "calibrate"):
+        try:
+            check_args(args)
+        except (ValueError, TypeError) as error:  # a user's mistake: one line, as argparse's
+            print(f"fsd-ext: error: {error}", file=sys.stderr)
+            return 2
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
     return args.func(args)
 
 

@@ -54,6 +54,7 @@ from .types import DIVERGENCES, DRAFT_LENGTHS, PURPOSE_ACCEPT, RULES
 # when the extension is not built. Switching is this one line.
 _accept, _sample = (ops.accept, ops.sample) if ops._IMPORT_ERROR is None else (reference.accept,
                                                                                reference.sample)
+_dry_run_accept = _accept  # check_options' one-row call: apart from the loop's, which tests spy on
 
 GENERATE_RULES = ("ar",) + RULES
 
@@ -304,9 +305,17 @@ def _as_ids(value, name: str) -> List[int]:
     return [int(v) for v in values]
 
 
-def _check_args(target, draft, input_ids, attention_mask, rule, divergence, threshold,
-                num_draft_tokens, temperature, max_new_tokens, use_cuda_graphs, streamer,
-                draft_length="fixed", draft_confidence=0.4, draft_cost=0.25):
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)  # True is no count
+
+
+def check_options(*, rule: str = "fsd", divergence: str = "js", threshold=0.3,
+                  num_draft_tokens: int = 5, temperature: float = 1.0, top_k=None, top_p=None,
+                  min_p=None, div_temperature=1.0, max_new_tokens: int = 256,
+                  use_cuda_graphs="auto", draft_length: str = "fixed", draft_confidence: float = 0.4,
+                  draft_cost: float = 0.25, pad_token_id=None) -> None:
+    """Raise ValueError / TypeError for a generate() option that no model and no input is needed to
+    refuse. generate() calls it first; the command line calls it before it loads any model."""
     if rule not in GENERATE_RULES:
         raise ValueError(f"rule must be one of {GENERATE_RULES}, got {rule!r}")
     if draft_length not in DRAFT_LENGTHS:
@@ -319,6 +328,59 @@ def _check_args(target, draft, input_ids, attention_mask, rule, divergence, thre
         raise ValueError(f"draft_cost must be a finite float > 0, got {draft_cost!r}")
     if divergence not in DIVERGENCES:
         raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    if not _is_int(num_draft_tokens) or num_draft_tokens < 1:
+        raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature >= 0:
+        raise ValueError(f"temperature must be a float >= 0, got {temperature!r}")
+    if isinstance(threshold, torch.Tensor):
+        if threshold.dim() != 1 or not threshold.is_floating_point() or (threshold < 0).any():
+            raise ValueError("threshold must be a float >= 0 or a [B] float tensor >= 0")
+    elif isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not threshold >= 0:
+        raise ValueError(f"threshold must be a float >= 0, got {threshold!r}")
+    if use_cuda_graphs not in ("auto", True, False):
+        raise ValueError(f"use_cuda_graphs must be 'auto', True or False, got {use_cuda_graphs!r}")
+    if pad_token_id is not None and not _is_int(pad_token_id):
+        raise ValueError(f"pad_token_id must be None or an int, got {pad_token_id!r}")
+    # The sampling and FSD options meet the ops' own checks (csrc/torch/problem.h, the one place) on
+    # a one-row, one-id problem here, rather than at the first step after the prompts' forwards.
+    _dry_run_accept(torch.zeros(1, 2, 1), torch.zeros(1, 1, 1), torch.zeros(1, 1, dtype=torch.int64),
+            rule=rule if rule in RULES else "fsd", divergence=divergence,
+            threshold=0.0 if isinstance(threshold, torch.Tensor) else threshold,
+            temperature=0.0 if rule == "greedy" else temperature, div_temperature=div_temperature,
+            top_k=top_k, top_p=top_p, min_p=min_p, seed=0)
+
+
+def _check_in_vocab(name: str, ids: torch.Tensor, model) -> None:
+    """Ids the model's embedding will read must lie in its vocabulary (on CUDA the embedding would
+    kill the process)."""
+    low, high, vocab = int(ids.min()), int(ids.max()), _vocab_size(model)
+    if low < 0 or high >= vocab:
+        shown = f"{low}" if ids.numel() == 1 else f"ids from {low} to {high}"
+        raise ValueError(f"{name} must hold ids in the target vocabulary [0, {vocab}), got {shown}")
+
+
+def _position_limit(model) -> Optional[int]:
+    """The most positions a model with learned absolute position embeddings (GPT-2's wpe, OPT's
+    embed_positions) can embed: a position table, an nn.Embedding besides the token embeddings,
+    sized by config.n_positions / max_position_embeddings. None for rotary models (Llama, Qwen2),
+    which compute positions and can run past max_position_embeddings, and for ALiBi ones."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if not limit:
+        return None
+    tokens = model.get_input_embeddings()
+    for module in model.modules():
+        # (OPT's table keeps 2 rows more than the positions it serves)
+        if isinstance(module, torch.nn.Embedding) and module is not tokens \
+                and 0 <= module.num_embeddings - limit <= 2:
+            return int(limit)
+    return None
+
+
+def _check_args(target, draft, input_ids, attention_mask, rule, threshold, streamer, max_new_tokens):
+    """The checks that need the models and the inputs (check_options has the rest)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1 \
             or input_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError("input_ids must be an int tensor [B, P] with P >= 1")
@@ -331,24 +393,21 @@ def _check_args(target, draft, input_ids, attention_mask, rule, divergence, thre
                 or (mask[:, -1] != 1).any():
             raise ValueError("attention_mask must be 0/1 with the prompts left-padded "
                              "(tokenizer.padding_side = 'left') and no empty prompt")
-    low, high = int(input_ids.min()), int(input_ids.max())
-    if low < 0 or high >= _vocab_size(target):  # on CUDA the embedding would kill the process
-        raise ValueError(f"input_ids must hold ids in the target vocabulary [0, {_vocab_size(target)}), "
-                         f"got ids from {low} to {high}")
-    if not isinstance(num_draft_tokens, numbers.Integral) or num_draft_tokens < 1:
-        raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
-    if not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not isinstance(temperature, numbers.Real) or not temperature >= 0:
-        raise ValueError(f"temperature must be a float >= 0, got {temperature!r}")
-    if isinstance(threshold, torch.Tensor):
-        if threshold.shape != (input_ids.shape[0],) or not threshold.is_floating_point() \
-                or (threshold < 0).any():
-            raise ValueError("threshold must be a float >= 0 or a [B] float tensor >= 0")
-    elif not isinstance(threshold, numbers.Real) or not threshold >= 0:
-        raise ValueError(f"threshold must be a float >= 0, got {threshold!r}")
-    if use_cuda_graphs not in ("auto", True, False):
-        raise ValueError(f"use_cuda_graphs must be 'auto', True or False, got {use_cuda_graphs!r}")
+    if input_ids.shape[0] < 1:
+        raise ValueError("input_ids must hold at least one row, got shape "
+                         f"{tuple(input_ids.shape)}")
+    _check_in_vocab("input_ids", input_ids, target)
+    longest = input_ids.shape[1] if attention_mask is None else int(attention_mask.sum(1).max())
+    if isinstance(threshold, torch.Tensor) and threshold.shape != (input_ids.shape[0],):
+        raise ValueError(f"a threshold tensor must be [B={input_ids.shape[0]}], got shape "
+                         f"{tuple(threshold.shape)}")
+    for model in (target,) if rule == "ar" else (target, draft):
+        limit = _position_limit(model) if model is not None else None
+        if limit is not None and longest + max_new_tokens > limit:
+            raise ValueError(
+                f"the longest prompt ({longest} tokens) plus max_new_tokens ({max_new_tokens}) "
+                f"exceeds the {limit} positions of {type(model).__name__}'s learned position "
+                f"embeddings: lower max_new_tokens to at most {limit - longest}")
     if streamer is not None and input_ids.shape[0] != 1:
         raise ValueError("a streamer needs batch size 1 (as in Hugging Face generate)")
     if rule != "ar":
@@ -745,9 +804,13 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         >>> out = fsd_ext.generate(target, draft, ids, mask, rule="fsd", threshold=0.3, seed=0)
         >>> print(tokenizer.batch_decode(out.sequences), out.stats.summary())
     """
-    _check_args(target, draft, input_ids, attention_mask, rule, divergence, threshold,
-                num_draft_tokens, temperature, max_new_tokens, use_cuda_graphs, streamer,
-                draft_length, draft_confidence, draft_cost)
+    check_options(rule=rule, divergence=divergence, threshold=threshold,
+                  num_draft_tokens=num_draft_tokens, temperature=temperature, top_k=top_k,
+                  top_p=top_p, min_p=min_p, div_temperature=div_temperature,
+                  max_new_tokens=max_new_tokens, use_cuda_graphs=use_cuda_graphs,
+                  draft_length=draft_length, draft_confidence=draft_confidence,
+                  draft_cost=draft_cost, pad_token_id=pad_token_id)
+    _check_args(target, draft, input_ids, attention_mask, rule, threshold, streamer, max_new_tokens)
     start = time.perf_counter()
     device = next(target.parameters()).device
     use_graphs = device.type == "cuda" if use_cuda_graphs == "auto" else bool(use_cuda_graphs)
@@ -760,6 +823,7 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         pad_token_id = getattr(target.generation_config, "pad_token_id", None)
         pad_token_id = pad_token_id if pad_token_id is not None else (
             settings.eos_ids[0] if settings.eos_ids else 0)
+    _check_in_vocab("pad_token_id", torch.tensor(pad_token_id), target)
     batch, prompt_len = input_ids.shape
     seeds = _row_seeds(seed, batch).to(device)  # [B]
     if isinstance(threshold, torch.Tensor):

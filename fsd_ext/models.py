@@ -26,6 +26,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -70,6 +71,22 @@ def gguf_checkpoint(name_or_path) -> bool:
     """Whether `name_or_path` is a GGUF checkpoint: a built-in name (BUILTIN) or a .gguf file."""
     path = str(name_or_path)
     return path in BUILTIN or (path.endswith(".gguf") and Path(path).is_file())
+
+
+def check_name(name_or_path) -> None:
+    """Raise ValueError unless `name_or_path` can name a checkpoint: a built-in name, a .gguf file, a
+    folder with a config.json, or what can only be a hub id ("org/name" or "name"). Checked before
+    anything loads, for a clearer error than transformers' ("Repo id must be ...", a tokenizer's)."""
+    text = str(name_or_path)
+    path = Path(text).expanduser()
+    if text in BUILTIN or (path.is_file() and text.endswith(".gguf")) or (path / "config.json").is_file():
+        return
+    if path.is_dir():
+        raise ValueError(f"model folder {text} holds no config.json: expected a Hugging Face model folder")
+    looks_like_hub_id = re.fullmatch(r"[A-Za-z0-9_][\w.-]*(/[A-Za-z0-9_][\w.-]*)?", text) is not None
+    if path.exists() or not looks_like_hub_id or text.endswith(".gguf"):
+        raise ValueError(f"model {text!r}: no such .gguf file or model folder, and not a built-in name "
+                         f"({', '.join(BUILTIN)}) or a hub id ('org/name')")
 
 
 def _gguf_linears_by_default(device: str, name_or_path) -> bool:
@@ -449,6 +466,8 @@ def load(name_or_path: str, dtype="auto", device: str = "cpu",
     the model's remaining nn.Linear modules compute few-row products with fsd_ext's CPU kernel
     (cpu_linear.use_skinny_cpu_linears; same math, another float rounding than F.linear).
     """
+    if gguf_file is None:
+        check_name(name_or_path)
     if cpu_linears not in ("auto", True, False):
         raise ValueError(f"cpu_linears must be 'auto', True or False, got {cpu_linears!r}")
     if activations not in ("auto", "float32", "int8"):

@@ -42,9 +42,34 @@ def _ops():
 
 if _IMPORT_ERROR is None:
 
+    def _fake_check(ok: bool, message: str, error=ValueError):
+        if not ok:
+            raise error(message)
+
     @torch.library.register_fake("fsd_ext::accept")
     def _accept_fake(target_logits, draft_logits, draft_tokens, *args):
+        # The shape and dtype checks of csrc/torch/problem.h (make_accept_problem), so that tracing
+        # refuses what the kernels refuse, with the same error types.
+        floats = (torch.float32, torch.bfloat16, torch.float16)
+        for name, logits in (("target_logits", target_logits), ("draft_logits", draft_logits)):
+            _fake_check(logits.dim() == 3, f"{name} must have 3 dims, got shape {tuple(logits.shape)}")
+            _fake_check(logits.dtype in floats, f"{name} must be float32, bfloat16 or float16, got "
+                        f"{logits.dtype}", TypeError)
+            _fake_check(logits.shape[-1] >= 1, f"{name} must have a vocabulary of at least 1")
         batch, k_plus_1 = target_logits.shape[:2]
+        _fake_check(k_plus_1 >= 1, "target_logits must hold K+1 >= 1 positions")
+        _fake_check(tuple(draft_logits.shape[:2]) == (batch, k_plus_1 - 1),
+                    f"draft_logits must be [B={batch}, K={k_plus_1 - 1}, V_d], got shape "
+                    f"{tuple(draft_logits.shape)}")
+        _fake_check(draft_logits.shape[2] <= target_logits.shape[2],
+                    "draft_logits vocabulary must be <= the target's")
+        _fake_check(draft_logits.dtype == target_logits.dtype,
+                    "draft_logits dtype must match target_logits dtype", TypeError)
+        _fake_check(draft_tokens.dtype in (torch.int32, torch.int64),
+                    f"draft_tokens must be int32 or int64, got {draft_tokens.dtype}", TypeError)
+        _fake_check(tuple(draft_tokens.shape) == (batch, k_plus_1 - 1),
+                    f"draft_tokens must be [B={batch}, K={k_plus_1 - 1}], got shape "
+                    f"{tuple(draft_tokens.shape)}")
         return (target_logits.new_empty((batch, k_plus_1), dtype=torch.int64),
                 target_logits.new_empty((batch,), dtype=torch.int64),
                 target_logits.new_empty((batch,), dtype=torch.bool),
@@ -108,19 +133,25 @@ def wrap_int64(value: int) -> int:
     return (value + 2**63) % 2**64 - 2**63
 
 
+def _is_int(value) -> bool:
+    """An int, not a bool (True is no count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _offset_arg(offset):
-    if isinstance(offset, torch.Tensor):
+    if isinstance(offset, torch.Tensor):  # (the CPU op checks its value >= 0)
         return (offset.reshape(1) if offset.numel() == 1 else offset), 0
     # (an int past int64 cannot reach the op; the op checks >= 0)
-    if not isinstance(offset, numbers.Integral) or not -2**63 <= offset < 2**63:
+    if not _is_int(offset) or not -2**63 <= offset < 2**63:
         raise ValueError(f"offset must be an int in [0, 2^63) or an int64 tensor, got {offset!r}")
     return None, int(offset)
 
 
 def _top_k_arg(name: str, value) -> int:
-    """None (off) -> 0 for the op; an int must be >= 1 (the op reads 0 as off)."""
-    if value is not None and (not isinstance(value, numbers.Integral) or value < 1):
-        raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
+    """None (off) -> 0 for the op; an int must be in [1, 2^63) (the op reads 0 as off; any k >= V is
+    off too)."""
+    if value is not None and (not _is_int(value) or not 1 <= value < 2**63):
+        raise ValueError(f"{name} must be None or an int in [1, 2^63), got {value!r}")
     return int(value or 0)
 
 
@@ -128,7 +159,7 @@ def _float_arg(name: str, value, off: float) -> float:
     """None -> `off` for the op, which checks the range."""
     if value is None:
         return off
-    if not isinstance(value, numbers.Real):
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise ValueError(f"{name} must be None or a float, got {value!r}")
     return float(value)
 
@@ -172,7 +203,8 @@ def accept(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens
         num_draft: [B] int tensor of per-row K (ragged), each in [0, K].
         seed: int, or int64 tensor [B] of per-row seeds (batch invariant), or [] (device tensor:
             graph-capturable). None draws one from `generator` / torch's default generator.
-        offset: int or one-element int64 tensor added to the Philox counter (e.g. the decoding step).
+        offset: int >= 0 or one-element int64 tensor added to the Philox counter (e.g. the
+            decoding step); the CPU checks a tensor's value, CUDA reads it on the device unchecked.
         return_divergence: also return D_i as [B, K] float32.
 
     Returns:
@@ -282,6 +314,9 @@ def philox_uniforms(seed: Union[int, torch.Tensor], offset: int, rows: int, posi
     purposes = {"accept": PURPOSE_ACCEPT, "sample": PURPOSE_SAMPLE, "draft": PURPOSE_DRAFT}
     if purpose not in purposes:
         raise ValueError(f"purpose must be one of {tuple(purposes)}, got {purpose!r}")
+    for name, count in (("rows", rows), ("positions", positions)):
+        if not _is_int(count):
+            raise ValueError(f"{name} must be an int >= 0, got {count!r}")
     device = torch.device(device or (seed.device if isinstance(seed, torch.Tensor) else "cpu"))
     seed_t, seed_s, seed_per_row = _seed_arg(seed, None)
     offset_t, offset_s = _offset_arg(offset)

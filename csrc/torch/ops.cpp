@@ -47,6 +47,14 @@ void check_row_values(const OptTensor& values, const RowArg& arg) {
     TORCH_CHECK(arg.in_range(v[b]), arg.name, "[", b, "] = ", v[b], " must be ", arg.range);
 }
 
+// An offset tensor must hold a value >= 0 like the int form (problem.h); the CUDA kernels read it on
+// the device (graph-capturable), so only the CPU path can raise.
+void check_offset_value(const OptTensor& offset_t) {
+  if (!offset_t.has_value()) return;
+  const int64_t offset = offset_t->data_ptr<int64_t>()[0];
+  TORCH_CHECK_VALUE(offset >= 0, "offset must be >= 0, got ", offset);
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> accept_cpu(
     const Tensor& target_logits, const Tensor& draft_logits, const Tensor& draft_tokens,
     const OptTensor& num_draft, const OptTensor& threshold_t, double threshold,
@@ -64,6 +72,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> accept_cpu(
   check_row_values(threshold_t, kThresholdArg);
   check_row_values(temperature_t, kTemperatureArg);
   if (!div_uses_sampling) check_row_values(div_temperature_t, kDivTemperatureArg);
+  check_offset_value(offset_t);
   fsd::cpu::accept(problem, torch_parallel_for);
   return {out.tokens, out.num_accepted, out.valid, out.divergence};
 }
@@ -85,6 +94,7 @@ Tensor sample_cpu(const Tensor& logits, const OptTensor& temperature_t, double t
                                                          min_p, seed_t, seed, seed_per_row, offset_t,
                                                          offset, out);
   check_row_values(temperature_t, kTemperatureArg);
+  check_offset_value(offset_t);
   fsd::cpu::sample(problem, torch_parallel_for);
   return out;
 }
@@ -93,6 +103,7 @@ Tensor philox_uniforms_cpu(const Tensor& seed, const Tensor& offset, bool seed_p
                            int64_t positions, int64_t purpose) {
   check_uniform_args(seed, offset, seed_per_row, rows, positions, purpose);
   const fsd::RandomKey key = random_key(seed, 0, seed_per_row, offset, 0, rows, seed);
+  check_offset_value(offset);
   Tensor out = at::empty({rows, positions}, seed.options().dtype(at::kDouble));
   fsd::cpu::philox_uniforms(key, rows, positions, (fsd::Purpose)purpose, out.data_ptr<double>());
   return out;
