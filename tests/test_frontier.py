@@ -20,7 +20,7 @@ from fsd_ext.bench import cli, humaneval, runner  # noqa: E402
 from fsd_ext.bench.grid import (DEFAULT_THRESHOLDS, Config, build_grid, parse_config,  # noqa: E402
                                 parse_thresholds)
 from fsd_ext.bench.runner import Generation  # noqa: E402
-from fsd_ext.bench.store import ResultStore, setup_id  # noqa: E402
+from fsd_ext.bench.store import ResultStore, read_runs, setup_id  # noqa: E402
 from fsd_ext.bench.summary import SUMMARY_FIELDS, pareto_front, summarize, target_check  # noqa: E402
 
 PROBLEMS = humaneval.load_problems()
@@ -455,6 +455,64 @@ def test_cli_hook_and_run_from_args(tmp_path, capsys):
         with pytest.raises(ValueError):
             humaneval.parse_ids(bad)
     assert len(cli.problems_from_args(cli.build_parser().parse_args(["--all"]))) == 164
+
+
+# ----------------------------------------------------------------------------------------------
+# The output folder: bad lines, the run log, the lock.
+
+def _sweep_args(out, *extra):
+    """Two problems x AR and SD on the fake backend into `out` (later options win)."""
+    return cli.build_parser().parse_args(["--problems", "2", "--rules", "ar,sd", "--out", str(out),
+                                          "--no-progress", "--warmup-tokens", "0", *extra])
+
+
+def _warnings(err, name):
+    return [line for line in err.splitlines() if line.startswith("warning:") and name in line]
+
+
+def test_bad_lines_are_skipped_counted_and_reported(tmp_path, capsys):
+    """Undecodable bytes, invalid JSON, a record missing a field and a line that is no JSON object
+    are skipped and counted, one warning per file naming it and the lines; resume and summary go
+    on, and new records land after a last line cut short inside a UTF-8 character."""
+    out = tmp_path / "run"
+    cli.run_from_args(_sweep_args(out), backend=FakeBackend())
+    results, runs = out / "results.jsonl", out / "runs.jsonl"
+    good = results.read_bytes().splitlines(keepends=True)
+    assert len(good) == 4
+    partial = json.loads(good[0])
+    del partial["passed"]  # same key as line 1: loaded, it would replace it and break the summary
+    results.write_bytes(good[0] + b'{"completion": "caf\xe9"}\n' + b"not json\n"
+                        + json.dumps(partial).encode() + b"\n" + b"[1, 2]\n" + b"".join(good[1:])
+                        + b'{"setup_id": "abc", "completion": "\xc3')
+    runs.write_bytes(b"\xff\n" + b'{"command": "no setup"}\n' + runs.read_bytes())
+    capsys.readouterr()
+
+    store = ResultStore(str(results))
+    assert len(store.records) == 4 and store.skipped_lines == 5
+    (warning,) = _warnings(capsys.readouterr().err, "results.jsonl")
+    assert str(results) in warning and "skipped 5 bad lines" in warning
+    for part in ("not UTF-8 (lines 2, 9)", "not JSON (line 3)", "missing or mistyped passed (line 4)",
+                 "not a JSON object (line 5)"):
+        assert part in warning
+
+    backend = FakeBackend()
+    rows = cli.run_from_args(_sweep_args(out, "--problems", "3"), backend=backend)
+    assert backend.calls == [("ar/greedy", "HumanEval/2"), ("sd/K=5/greedy", "HumanEval/2")]
+    assert [r["pass_at_1"] for r in rows] == [1.0, 1.0] and [r["problems"] for r in rows] == [3, 3]
+    err = capsys.readouterr().err
+    assert len(_warnings(err, "results.jsonl")) == 1
+    (warning,) = _warnings(err, "runs.jsonl")
+    assert str(runs) in warning and "not UTF-8 (line 1)" in warning
+    assert "missing or mistyped setup_id, start (line 2)" in warning
+    assert len(ResultStore(str(results)).records) == 6  # after line 9, still skipped
+    assert [r["records_written"] for r in read_runs(str(out))] == [4, 2]
+    capsys.readouterr()
+
+    # Many bad lines: still one warning, the lines as ranges.
+    results.write_bytes(good[0] + b"x\n" * 50 + good[1])
+    assert ResultStore(str(results)).skipped_lines == 50
+    (warning,) = _warnings(capsys.readouterr().err, "results.jsonl")
+    assert "not JSON (lines 2-51)" in warning
 
 
 # ----------------------------------------------------------------------------------------------
