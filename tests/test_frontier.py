@@ -461,9 +461,11 @@ def test_cli_hook_and_run_from_args(tmp_path, capsys):
 # The output folder: bad lines, the run log, the lock.
 
 def _sweep_args(out, *extra):
-    """Two problems x AR and SD on the fake backend into `out` (later options win)."""
+    """Two problems x AR and SD on the fake backend into `out` (later options win); no waiting for
+    a quiet machine."""
     return cli.build_parser().parse_args(["--problems", "2", "--rules", "ar,sd", "--out", str(out),
-                                          "--no-progress", "--warmup-tokens", "0", *extra])
+                                          "--no-progress", "--warmup-tokens", "0",
+                                          "--max-contention", "-1", *extra])
 
 
 def _warnings(err, name):
@@ -513,6 +515,33 @@ def test_bad_lines_are_skipped_counted_and_reported(tmp_path, capsys):
     assert ResultStore(str(results)).skipped_lines == 50
     (warning,) = _warnings(capsys.readouterr().err, "results.jsonl")
     assert "not JSON (lines 2-51)" in warning
+
+
+def test_interrupted_and_killed_runs_are_in_the_run_log(tmp_path):
+    """A run is logged when it starts (status "running": what a SIGKILL leaves) and again when it
+    ends: "finished", or "interrupted" with the records written so far."""
+    out = tmp_path / "run"
+    seen = []
+
+    class Watching(FakeBackend):
+        def complete(self, config, prompt):
+            seen.append(read_runs(str(out)))
+            return super().complete(config, prompt)
+
+    with pytest.raises(KeyboardInterrupt):
+        cli.run_from_args(_sweep_args(out), backend=Watching(stop_after=3))
+    (running,) = seen[0]  # there from the first decode on
+    assert running["status"] == "running" and running["pid"] == os.getpid()
+    assert "end" not in running and "records_written" not in running
+    (interrupted,) = read_runs(str(out))
+    assert interrupted["status"] == "interrupted" and interrupted["records_written"] == 3
+    assert interrupted["run_id"] == running["run_id"] and interrupted["end"] >= interrupted["start"]
+    assert "KeyboardInterrupt" in interrupted["error"]
+    cli.run_from_args(_sweep_args(out), backend=FakeBackend())
+    first, second = read_runs(str(out))
+    assert first == interrupted
+    assert second["status"] == "finished" and second["records_written"] == 1
+    assert second["run_id"] != first["run_id"] and "error" not in second
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,11 +5,14 @@ field the harness reads is skipped, counted, and reported in one warning per fil
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import sys
-from typing import Any, Dict, List, Tuple
+import time
+import uuid
+from typing import Any, Dict, Iterator, List, Tuple
 
 _NUMBER = (int, float)
 # What resume, --summarize-only and the summary read from each record, and its type.
@@ -18,6 +21,10 @@ RECORD_FIELDS = {"setup_id": str, "key": str, "task_id": str, "group": str, "tim
                  "seconds": _NUMBER, "wall_s": _NUMBER, "target_calls": _NUMBER,
                  "draft_calls": _NUMBER, "accepted_drafts": _NUMBER, "verify_steps": _NUMBER}
 RUN_FIELDS = {"setup_id": str, "start": str}
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 def setup_id(setup: Dict[str, Any]) -> str:
@@ -111,14 +118,41 @@ def _run_log(out_dir: str) -> str:
 
 
 def read_runs(out_dir: str) -> List[Dict[str, Any]]:
-    """Every invocation that decoded into `out_dir`: command, setup, machine, versions, start/end."""
-    return read_jsonl(_run_log(out_dir), RUN_FIELDS)[0]
+    """Every invocation that decoded into `out_dir`, in the order they started: command, setup,
+    machine, versions, start, status, end, records written. A run logs a line when it starts and
+    again when it ends (logged_run); each run's last line holds it."""
+    runs: Dict[Any, Dict[str, Any]] = {}
+    for number, entry in enumerate(read_jsonl(_run_log(out_dir), RUN_FIELDS)[0]):
+        runs[entry.get("run_id", number)] = entry  # lines before run ids: one run each
+    return list(runs.values())
 
 
 def _log_run(out_dir: str, entry: Dict[str, Any]):
     os.makedirs(out_dir, exist_ok=True)
     with open(_run_log(out_dir), "a", encoding="utf-8") as handle:
         handle.write(json.dumps(entry, sort_keys=True, default=str) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+@contextlib.contextmanager
+def logged_run(out_dir: str, run: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
+    """Log an invocation in runs.jsonl before it decodes, with status "running", and again when it
+    ends: "finished", or "interrupted" (an exception or Ctrl-C, named in "error") with the
+    records written so far. The start line is the one a SIGKILL or SIGTERM cannot prevent: such a
+    run stays "running", without an end. Yields the run; the caller counts run["records_written"]."""
+    run = dict(run, run_id=uuid.uuid4().hex[:12], pid=os.getpid(), status="running")
+    _log_run(out_dir, run)
+    run["records_written"] = 0  # not in the start line: a killed run's count is unknown
+    try:
+        yield run
+        run["status"] = "finished"
+    except BaseException as error:
+        run.update(status="interrupted", error=repr(error))
+        raise
+    finally:
+        run.update(end=_now(), load_average_end=[round(x, 2) for x in os.getloadavg()])
+        _log_run(out_dir, run)
 
 
 def latest_setup(store: ResultStore, target: str, draft: str, max_new_tokens: int):
