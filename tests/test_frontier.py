@@ -544,6 +544,57 @@ def test_interrupted_and_killed_runs_are_in_the_run_log(tmp_path):
     assert second["run_id"] != first["run_id"] and "error" not in second
 
 
+def test_second_run_on_the_same_folder_refuses(tmp_path):
+    """Two sweeps into one --out would both decode everything: the second refuses before any work,
+    naming the folder and the first's pid. --summarize-only needs no lock; the lock ends with the
+    run."""
+    out = tmp_path / "run"
+    second = FakeBackend()
+    seen = {}
+
+    class First(FakeBackend):
+        def complete(self, config, prompt):
+            if len(self.calls) == 2:
+                with pytest.raises(RuntimeError) as error:
+                    cli.run_from_args(_sweep_args(out), backend=second)
+                seen["error"] = str(error.value)
+                seen["summary"] = cli.run_from_args(_sweep_args(
+                    out, "--summarize-only", "--target", "fake-target", "--draft", "fake-draft",
+                    "--max-new-tokens", "64"))
+            return super().complete(config, prompt)
+
+    cli.run_from_args(_sweep_args(out), backend=First())
+    assert str(out) in seen["error"] and f"pid {os.getpid()}" in seen["error"]
+    assert second.calls == []
+    assert [r["problems"] for r in seen["summary"]] == [2]  # AR's two records so far
+    assert len(read_runs(str(out))) == 1
+    third = FakeBackend()
+    cli.run_from_args(_sweep_args(out, "--problems", "3"), backend=third)
+    assert len(third.calls) == 2
+
+
+def test_lock_names_the_other_process(tmp_path):
+    """The lock holds across processes and the refusal names the holder's pid."""
+    import subprocess
+    import sys
+    out = tmp_path / "run"
+    code = ("import sys\nfrom fsd_ext.bench.store import lock_folder\n"
+            "with lock_folder(sys.argv[1]):\n    print('locked', flush=True)\n    sys.stdin.read()\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    child = subprocess.Popen([sys.executable, "-c", code, str(out)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": root})
+    try:
+        assert child.stdout.readline() == "locked\n"
+        backend = FakeBackend()
+        with pytest.raises(RuntimeError, match=f"pid {child.pid}"):
+            cli.run_from_args(_sweep_args(out), backend=backend)
+        assert backend.calls == []
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
+
+
 # ----------------------------------------------------------------------------------------------
 # Tiny random HF models end to end.
 

@@ -19,7 +19,7 @@ from .env import environment
 from .grid import BENCH_RULES, DEFAULT_THRESHOLDS, Config, build_grid, parse_config, parse_thresholds
 from .plots import plot_all
 from .runner import Backend, HFBackend, load_model, run_sweep
-from .store import ResultStore, _now, latest_setup, logged_run, read_runs, setup_id
+from .store import ResultStore, _now, latest_setup, lock_folder, logged_run, read_runs, setup_id
 from .summary import format_table, summarize, target_check, write_summary
 
 
@@ -172,7 +172,16 @@ def finish(store: ResultStore, setup: Dict[str, Any], out_dir: str, meta: Dict[s
 
 def run_from_args(args, backend: Optional[Backend] = None) -> List[Dict[str, Any]]:
     """Decode what is missing (unless --summarize-only), then write the summary and plots. The
-    summary's meta lists every invocation that decoded into --out (a resumed sweep has several)."""
+    summary's meta lists every invocation that decoded into --out (a resumed sweep has several).
+    A sweep holds --out (store.lock_folder): a second one into the same folder refuses before any
+    work (store.FolderLocked)."""
+    if args.summarize_only:
+        return _run(args, backend)
+    with lock_folder(args.out):
+        return _run(args, backend)
+
+
+def _run(args, backend: Optional[Backend]) -> List[Dict[str, Any]]:
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)

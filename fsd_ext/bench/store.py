@@ -6,6 +6,7 @@ field the harness reads is skipped, counted, and reported in one warning per fil
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -153,6 +154,34 @@ def logged_run(out_dir: str, run: Dict[str, Any]) -> Iterator[Dict[str, Any]]:
     finally:
         run.update(end=_now(), load_average_end=[round(x, 2) for x in os.getloadavg()])
         _log_run(out_dir, run)
+
+
+class FolderLocked(RuntimeError):
+    """Another process holds the sweep's output folder (lock_folder)."""
+
+
+@contextlib.contextmanager
+def lock_folder(out_dir: str) -> Iterator[None]:
+    """Hold `out_dir` for one sweep: an exclusive flock on out_dir/.lock, which names the holder's
+    pid. Two sweeps into one folder would each decode every missing record; the second raises
+    FolderLocked at once. The lock ends with the process, however it ends."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, ".lock")
+    with open(path, "a+", encoding="utf-8") as handle:  # "a+": the holder's pid stays readable
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            pid = handle.read().strip() or "unknown"
+            raise FolderLocked(f"{out_dir} is in use by another sweep (pid {pid}, lock {path}): "
+                               f"wait for it to end or choose another --out") from None
+        handle.truncate(0)
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def latest_setup(store: ResultStore, target: str, draft: str, max_new_tokens: int):
