@@ -167,7 +167,7 @@ def lock_folder(out_dir: str) -> Iterator[None]:
     FolderLocked at once. The lock ends with the process, however it ends."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, ".lock")
-    with open(path, "a+", encoding="utf-8") as handle:  # "a+": the holder's pid stays readable
+    with open(path, "a+", encoding="utf-8", errors="replace") as handle:  # "a+": keeps the pid
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
