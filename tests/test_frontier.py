@@ -177,6 +177,13 @@ def test_draft_length_configs_and_specs():
 # ----------------------------------------------------------------------------------------------
 # A fake backend: canonical solutions or a broken body, with made-up but consistent statistics.
 
+@pytest.fixture(autouse=True)
+def no_waiting_for_a_quiet_machine(monkeypatch):
+    """A fake decode lasts about a millisecond: one clock tick of another process reads as
+    contention, and on a busy machine each retry would wait up to 10 minutes for quiet."""
+    monkeypatch.setattr(runner, "_wait_until_quiet", lambda *args, **kwargs: None)
+
+
 class FakeBackend(runner.Backend):
     """Passes a problem unless the config is 'lossy' for it; FSD gets faster with the threshold."""
 
