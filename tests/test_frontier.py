@@ -20,7 +20,7 @@ from fsd_ext.bench import cli, humaneval, runner  # noqa: E402
 from fsd_ext.bench.grid import (DEFAULT_THRESHOLDS, Config, build_grid, parse_config,  # noqa: E402
                                 parse_thresholds)
 from fsd_ext.bench.runner import Generation  # noqa: E402
-from fsd_ext.bench.store import ResultStore, setup_id  # noqa: E402
+from fsd_ext.bench.store import ResultStore, read_runs, setup_id  # noqa: E402
 from fsd_ext.bench.summary import SUMMARY_FIELDS, pareto_front, summarize, target_check  # noqa: E402
 
 PROBLEMS = humaneval.load_problems()
@@ -176,6 +176,13 @@ def test_draft_length_configs_and_specs():
 
 # ----------------------------------------------------------------------------------------------
 # A fake backend: canonical solutions or a broken body, with made-up but consistent statistics.
+
+@pytest.fixture(autouse=True)
+def no_waiting_for_a_quiet_machine(monkeypatch):
+    """A fake decode lasts about a millisecond: one clock tick of another process reads as
+    contention, and on a busy machine each retry would wait up to 10 minutes for quiet."""
+    monkeypatch.setattr(runner, "_wait_until_quiet", lambda *args, **kwargs: None)
+
 
 class FakeBackend(runner.Backend):
     """Passes a problem unless the config is 'lossy' for it; FSD gets faster with the threshold."""
@@ -455,6 +462,144 @@ def test_cli_hook_and_run_from_args(tmp_path, capsys):
         with pytest.raises(ValueError):
             humaneval.parse_ids(bad)
     assert len(cli.problems_from_args(cli.build_parser().parse_args(["--all"]))) == 164
+
+
+# ----------------------------------------------------------------------------------------------
+# The output folder: bad lines, the run log, the lock.
+
+def _sweep_args(out, *extra):
+    """Two problems x AR and SD on the fake backend into `out` (later options win); no waiting for
+    a quiet machine."""
+    return cli.build_parser().parse_args(["--problems", "2", "--rules", "ar,sd", "--out", str(out),
+                                          "--no-progress", "--warmup-tokens", "0",
+                                          "--max-contention", "-1", *extra])
+
+
+def _warnings(err, name):
+    return [line for line in err.splitlines() if line.startswith("warning:") and name in line]
+
+
+def test_bad_lines_are_skipped_counted_and_reported(tmp_path, capsys):
+    """Undecodable bytes, invalid JSON, a record missing a field and a line that is no JSON object
+    are skipped and counted, one warning per file naming it and the lines; resume and summary go
+    on, and new records land after a last line cut short inside a UTF-8 character."""
+    out = tmp_path / "run"
+    cli.run_from_args(_sweep_args(out), backend=FakeBackend())
+    results, runs = out / "results.jsonl", out / "runs.jsonl"
+    good = results.read_bytes().splitlines(keepends=True)
+    assert len(good) == 4
+    partial = json.loads(good[0])
+    del partial["passed"]  # same key as line 1: loaded, it would replace it and break the summary
+    results.write_bytes(good[0] + b'{"completion": "caf\xe9"}\n' + b"not json\n"
+                        + json.dumps(partial).encode() + b"\n" + b"[1, 2]\n" + b"".join(good[1:])
+                        + b'{"setup_id": "abc", "completion": "\xc3')
+    runs.write_bytes(b"\xff\n" + b'{"command": "no setup"}\n' + runs.read_bytes())
+    capsys.readouterr()
+
+    store = ResultStore(str(results))
+    assert len(store.records) == 4 and store.skipped_lines == 5
+    (warning,) = _warnings(capsys.readouterr().err, "results.jsonl")
+    assert str(results) in warning and "skipped 5 bad lines" in warning
+    for part in ("not UTF-8 (lines 2, 9)", "not JSON (line 3)", "missing or mistyped passed (line 4)",
+                 "not a JSON object (line 5)"):
+        assert part in warning
+
+    backend = FakeBackend()
+    rows = cli.run_from_args(_sweep_args(out, "--problems", "3"), backend=backend)
+    assert backend.calls == [("ar/greedy", "HumanEval/2"), ("sd/K=5/greedy", "HumanEval/2")]
+    assert [r["pass_at_1"] for r in rows] == [1.0, 1.0] and [r["problems"] for r in rows] == [3, 3]
+    err = capsys.readouterr().err
+    assert len(_warnings(err, "results.jsonl")) == 1
+    (warning,) = _warnings(err, "runs.jsonl")
+    assert str(runs) in warning and "not UTF-8 (line 1)" in warning
+    assert "missing or mistyped setup_id, start (line 2)" in warning
+    assert len(ResultStore(str(results)).records) == 6  # after line 9, still skipped
+    assert [r["records_written"] for r in read_runs(str(out))] == [4, 2]
+    capsys.readouterr()
+
+    # Many bad lines: still one warning, the lines as ranges.
+    results.write_bytes(good[0] + b"x\n" * 50 + good[1])
+    assert ResultStore(str(results)).skipped_lines == 50
+    (warning,) = _warnings(capsys.readouterr().err, "results.jsonl")
+    assert "not JSON (lines 2-51)" in warning
+
+
+def test_interrupted_and_killed_runs_are_in_the_run_log(tmp_path):
+    """A run is logged when it starts (status "running": what a SIGKILL leaves) and again when it
+    ends: "finished", or "interrupted" with the records written so far."""
+    out = tmp_path / "run"
+    seen = []
+
+    class Watching(FakeBackend):
+        def complete(self, config, prompt):
+            seen.append(read_runs(str(out)))
+            return super().complete(config, prompt)
+
+    with pytest.raises(KeyboardInterrupt):
+        cli.run_from_args(_sweep_args(out), backend=Watching(stop_after=3))
+    (running,) = seen[0]  # there from the first decode on
+    assert running["status"] == "running" and running["pid"] == os.getpid()
+    assert "end" not in running and "records_written" not in running
+    (interrupted,) = read_runs(str(out))
+    assert interrupted["status"] == "interrupted" and interrupted["records_written"] == 3
+    assert interrupted["run_id"] == running["run_id"] and interrupted["end"] >= interrupted["start"]
+    assert "KeyboardInterrupt" in interrupted["error"]
+    cli.run_from_args(_sweep_args(out), backend=FakeBackend())
+    first, second = read_runs(str(out))
+    assert first == interrupted
+    assert second["status"] == "finished" and second["records_written"] == 1
+    assert second["run_id"] != first["run_id"] and "error" not in second
+
+
+def test_second_run_on_the_same_folder_refuses(tmp_path):
+    """Two sweeps into one --out would both decode everything: the second refuses before any work,
+    naming the folder and the first's pid. --summarize-only needs no lock; the lock ends with the
+    run."""
+    out = tmp_path / "run"
+    second = FakeBackend()
+    seen = {}
+
+    class First(FakeBackend):
+        def complete(self, config, prompt):
+            if len(self.calls) == 2:
+                with pytest.raises(RuntimeError) as error:
+                    cli.run_from_args(_sweep_args(out), backend=second)
+                seen["error"] = str(error.value)
+                seen["summary"] = cli.run_from_args(_sweep_args(
+                    out, "--summarize-only", "--target", "fake-target", "--draft", "fake-draft",
+                    "--max-new-tokens", "64"))
+            return super().complete(config, prompt)
+
+    cli.run_from_args(_sweep_args(out), backend=First())
+    assert str(out) in seen["error"] and f"pid {os.getpid()}" in seen["error"]
+    assert second.calls == []
+    assert [r["problems"] for r in seen["summary"]] == [2]  # AR's two records so far
+    assert len(read_runs(str(out))) == 1
+    third = FakeBackend()
+    cli.run_from_args(_sweep_args(out, "--problems", "3"), backend=third)
+    assert len(third.calls) == 2
+
+
+def test_lock_names_the_other_process(tmp_path):
+    """The lock holds across processes and the refusal names the holder's pid."""
+    import subprocess
+    import sys
+    out = tmp_path / "run"
+    code = ("import sys\nfrom fsd_ext.bench.store import lock_folder\n"
+            "with lock_folder(sys.argv[1]):\n    print('locked', flush=True)\n    sys.stdin.read()\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    child = subprocess.Popen([sys.executable, "-c", code, str(out)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "PYTHONPATH": root})
+    try:
+        assert child.stdout.readline() == "locked\n"
+        backend = FakeBackend()
+        with pytest.raises(RuntimeError, match=f"pid {child.pid}"):
+            cli.run_from_args(_sweep_args(out), backend=backend)
+        assert backend.calls == []
+    finally:
+        child.stdin.close()
+        child.wait(timeout=60)
 
 
 # ----------------------------------------------------------------------------------------------

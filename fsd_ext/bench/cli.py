@@ -11,7 +11,6 @@ import argparse
 import os
 import shlex
 import sys
-import time
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from ..types import DIVERGENCES, DRAFT_LENGTHS
@@ -20,7 +19,7 @@ from .env import environment
 from .grid import BENCH_RULES, DEFAULT_THRESHOLDS, Config, build_grid, parse_config, parse_thresholds
 from .plots import plot_all
 from .runner import Backend, HFBackend, load_model, run_sweep
-from .store import ResultStore, _log_run, latest_setup, read_runs, setup_id
+from .store import ResultStore, _now, latest_setup, lock_folder, logged_run, read_runs, setup_id
 from .summary import format_table, summarize, target_check, write_summary
 
 
@@ -171,13 +170,18 @@ def finish(store: ResultStore, setup: Dict[str, Any], out_dir: str, meta: Dict[s
     return rows
 
 
-def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
 def run_from_args(args, backend: Optional[Backend] = None) -> List[Dict[str, Any]]:
     """Decode what is missing (unless --summarize-only), then write the summary and plots. The
-    summary's meta lists every invocation that decoded into --out (a resumed sweep has several)."""
+    summary's meta lists every invocation that decoded into --out (a resumed sweep has several).
+    A sweep holds --out (store.lock_folder): a second one into the same folder refuses before any
+    work (store.FolderLocked)."""
+    if args.summarize_only:
+        return _run(args, backend)
+    with lock_folder(args.out):
+        return _run(args, backend)
+
+
+def _run(args, backend: Optional[Backend]) -> List[Dict[str, Any]]:
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -221,14 +225,15 @@ def run_from_args(args, backend: Optional[Backend] = None) -> List[Dict[str, Any
         run = {"command": command, "setup": setup, "setup_id": sid, "device": device,
                "problems": task_ids, "configs": [c.key for c in configs], "environment": env,
                "start": _now()}
-        written = run_sweep(configs, problems, backend, store,
-                            humaneval.SandboxLimits(timeout_s=args.timeout),
-                            progress=not args.no_progress, warmup_tokens=args.warmup_tokens,
-                            order=args.order,
-                            max_contention=None if args.max_contention < 0 else args.max_contention)
-        run.update(end=_now(), records_written=written,
-                   load_average_end=[round(x, 2) for x in os.getloadavg()])
-        _log_run(args.out, run)
+        with logged_run(args.out, run) as run:
+            def count(_record):
+                run["records_written"] += 1
+
+            run_sweep(configs, problems, backend, store,
+                      humaneval.SandboxLimits(timeout_s=args.timeout),
+                      progress=not args.no_progress, warmup_tokens=args.warmup_tokens,
+                      order=args.order, on_record=count,
+                      max_contention=None if args.max_contention < 0 else args.max_contention)
     meta = {"summary_command": command, "setup": setup, "setup_id": sid, "problems": task_ids,
             "runs": [r for r in read_runs(args.out) if r.get("setup_id") == sid], "time": _now()}
     return finish(store, setup, args.summary_dir or args.out, meta, configs, task_ids)
