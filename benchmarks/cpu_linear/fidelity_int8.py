@@ -56,12 +56,10 @@ def compare(name: str, problems, new_tokens: int) -> dict:
 def passes(path: Path, key: str) -> dict:
     """{task_id: passed} of the records of configuration `key` in a frontier run's results.jsonl
     (the last record per problem)."""
-    out = {}
-    for line in path.read_text().splitlines():
-        record = json.loads(line)
-        if record.get("key") == key:
-            out[record["task_id"]] = bool(record["passed"])
-    return out
+    from fsd_ext.bench.store import RECORD_FIELDS, read_jsonl
+
+    records, _ = read_jsonl(str(path), RECORD_FIELDS)  # bad lines skipped with a warning
+    return {r["task_id"]: r["passed"] for r in records if r["key"] == key}
 
 
 def main(argv=None) -> int:
