@@ -426,15 +426,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "generate" and args.rule != "ar" and args.draft is None:
         build_parser().error("--draft is needed unless --rule ar")
-    if args.command in ("generate", "demo", "calibrate"):
-        try:
+    # A user's mistake (a bad argument, or a model pair that does not fit: what generate and the
+    # models' checks raise as ValueError / TypeError) is one line, as argparse's; the arguments
+    # are checked before anything is installed, converted or loaded.
+    try:
+        if args.command in ("generate", "demo", "calibrate"):
             check_args(args)
-        except (ValueError, TypeError) as error:  # a user's mistake: one line, as argparse's
-            print(f"fsd-ext: error: {error}", file=sys.stderr)
-            return 2
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
-    return args.func(args)
+        if getattr(args, "threads", None):
+            torch.set_num_threads(args.threads)
+        return args.func(args)
+    except (ValueError, TypeError) as error:
+        print(f"fsd-ext: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

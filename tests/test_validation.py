@@ -285,3 +285,13 @@ def test_cli_checks_pass_for_good_arguments(no_loading, tmp_path):
                  ["generate", "--target", "org/name", "--draft", "name", "--prompt", "hi", "--top-k", "5"],
                  ["calibrate", "--json", str(tmp_path / "out.json"), "--max-deviation", "0.01,0.05"]):
         cli.check_args(cli.build_parser().parse_args(argv))
+
+
+def test_cli_a_user_error_found_after_loading_is_one_line(monkeypatch, capsys):
+    from fsd_ext import cli
+
+    def mismatch(args, need_draft):
+        raise ValueError("the draft's tokenizer differs from the target's")
+
+    monkeypatch.setattr(cli, "_load_pair", mismatch)
+    assert "tokenizer differs" in cli_error(["generate", "--target", "t", "--draft", "d", "--prompt", "hi"], capsys)
