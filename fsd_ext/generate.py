@@ -335,7 +335,8 @@ def check_options(*, rule: str = "fsd", divergence: str = "js", threshold=0.3,
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature >= 0:
         raise ValueError(f"temperature must be a float >= 0, got {temperature!r}")
     if isinstance(threshold, torch.Tensor):
-        if threshold.dim() != 1 or not threshold.is_floating_point() or (threshold < 0).any():
+        # (>= 0).all() rather than (< 0).any(): NaN must fail too, as the float form's check does
+        if threshold.dim() != 1 or not threshold.is_floating_point() or not (threshold >= 0).all():
             raise ValueError("threshold must be a float >= 0 or a [B] float tensor >= 0")
     elif isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not threshold >= 0:
         raise ValueError(f"threshold must be a float >= 0, got {threshold!r}")

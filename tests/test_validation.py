@@ -101,6 +101,17 @@ def test_fake_accept_shapes_for_good_inputs():
     assert [tuple(t.shape) for t in out] == [(3, 3), (3,), (3,), (3, 2)]
 
 
+@pytest.mark.parametrize("bad", [float("nan"), -1.0])
+def test_bad_threshold_tensor_raises_value_error_like_the_float(bad):
+    """A NaN (or negative) value in a [B] threshold tensor raised RuntimeError from the CPU op where
+    the float form raises ValueError (issue 59, item 7)."""
+    target, draft, tokens = torch.randn(2, 3, 8), torch.randn(2, 2, 8), torch.zeros(2, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="threshold"):
+        fsd_ext.accept(target, draft, tokens, threshold=bad, seed=0)
+    with pytest.raises(ValueError, match=r"threshold\[1\]"):
+        fsd_ext.accept(target, draft, tokens, threshold=torch.tensor([0.1, bad]), seed=0)
+
+
 # ----------------------------------------------------------------------------------------------
 # fsd_ext.generate and fsd_ext.hf.generate: refused before the prompts' forwards.
 
@@ -146,6 +157,7 @@ def no_forward(monkeypatch):
     (dict(div_temperature=0.0), "div_temperature"),
     (dict(temperature=float("inf")), "temperature"),
     (dict(threshold=torch.tensor([0.1, 0.2, 0.3])), "threshold"),
+    (dict(threshold=torch.tensor([0.1, float("nan")])), "threshold"),
 ])
 def test_bad_options_are_refused_before_any_forward(target, draft, no_forward, kwargs, match):
     ids, mask = helpers.left_padded_prompts([3, 4], VOCAB, seed=1)
