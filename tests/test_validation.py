@@ -297,3 +297,22 @@ def test_cli_checks_pass_for_good_arguments(no_loading, tmp_path):
                  ["generate", "--target", "org/name", "--draft", "name", "--prompt", "hi", "--top-k", "5"],
                  ["calibrate", "--json", str(tmp_path / "out.json"), "--max-deviation", "0.01,0.05"]):
         cli.check_args(cli.build_parser().parse_args(argv))
+
+
+def test_vllm_plugin_refuses_a_draft_of_another_vocabulary():
+    """fsd_ext.vllm's check on stand-ins for vLLM's configs (vLLM itself is not needed)."""
+    from types import SimpleNamespace as NS
+
+    from fsd_ext import vllm as plugin
+
+    def engine(draft_vocab, draft_bos=1, heterogeneous=False):
+        spec = NS(draft_model_config=NS(hf_text_config=NS(vocab_size=draft_vocab, bos_token_id=draft_bos)),
+                  use_heterogeneous_vocab=heterogeneous)
+        return NS(model_config=NS(hf_text_config=NS(vocab_size=VOCAB, bos_token_id=1)), speculative_config=spec)
+
+    plugin.check_draft(engine(VOCAB))
+    with pytest.raises(ValueError, match="vocab_size 128 vs 96"):
+        plugin.check_draft(engine(96))
+    with pytest.raises(ValueError, match="bos_token_id 1 vs 2"):
+        plugin.check_draft(engine(VOCAB, draft_bos=2))
+    plugin.check_draft(engine(96, heterogeneous=True))  # vLLM maps the ids; FSD keeps vLLM's rule
