@@ -295,6 +295,24 @@ def check_tokenizers(target_tokenizer, draft_tokenizer) -> None:
                 f"target's id is {target_vocab.get(token)}. FSD needs one shared tokenizer.")
 
 
+def check_pair(target_config, draft_config, target_tokenizer=None, draft_tokenizer=None,
+               hint: str = "") -> None:
+    """Raise ValueError unless the draft can share the target's token ids, as far as can be told.
+    With both tokenizers: check_tokenizers. Without: the (text) configs' vocab_size and bos_token_id
+    must agree, as Hugging Face's assisted generation asks for tokenizers when the vocab sizes
+    differ. Not checked without tokenizers: which tokens a same-size vocabulary holds, and eos/pad
+    ids (a base and a chat model of one tokenizer end differently). `hint` says how to pass them."""
+    if target_tokenizer is not None and draft_tokenizer is not None:
+        return check_tokenizers(target_tokenizer, draft_tokenizer)
+    configs = [c.get_text_config() if hasattr(c, "get_text_config") else c
+               for c in (target_config, draft_config)]
+    for name in ("vocab_size", "bos_token_id"):
+        target_value, draft_value = (getattr(c, name, None) for c in configs)
+        if target_value is not None and draft_value is not None and target_value != draft_value:
+            raise ValueError(f"target and draft models differ: {name} {target_value} vs {draft_value}. "
+                             f"FSD needs one shared tokenizer{hint}")
+
+
 def _as_ids(value, name: str) -> List[int]:
     if value is None:
         return []
@@ -335,7 +353,8 @@ def check_options(*, rule: str = "fsd", divergence: str = "js", threshold=0.3,
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature >= 0:
         raise ValueError(f"temperature must be a float >= 0, got {temperature!r}")
     if isinstance(threshold, torch.Tensor):
-        if threshold.dim() != 1 or not threshold.is_floating_point() or (threshold < 0).any():
+        # (>= 0).all() rather than (< 0).any(): NaN must fail too, as the float form's check does
+        if threshold.dim() != 1 or not threshold.is_floating_point() or not (threshold >= 0).all():
             raise ValueError("threshold must be a float >= 0 or a [B] float tensor >= 0")
     elif isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not threshold >= 0:
         raise ValueError(f"threshold must be a float >= 0, got {threshold!r}")

@@ -29,7 +29,7 @@ from transformers import GenerationConfig
 from transformers.generation import logits_process, stopping_criteria as criteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .generate import DRAFT_LENGTHS, GENERATE_RULES
+from .generate import DRAFT_LENGTHS, GENERATE_RULES, check_pair
 from .generate import generate as fsd_generate
 from .types import DIVERGENCES
 
@@ -114,7 +114,7 @@ def _draft_length(fsd_draft_length, generation_config: GenerationConfig) -> str:
 
 
 def _check_request(model, input_ids, generation_config, stopping_criteria, model_kwargs,
-                   draft_model, fsd_rule, fsd_divergence, fsd_threshold):
+                   draft_model, fsd_rule, fsd_divergence, fsd_threshold, tokenizers):
     """Raise ValueError for any part of the request fsd_ext.generate would not honour."""
     if fsd_rule not in GENERATE_RULES:
         raise ValueError(f"fsd_rule must be one of {GENERATE_RULES}, got {fsd_rule!r}")
@@ -129,6 +129,9 @@ def _check_request(model, input_ids, generation_config, stopping_criteria, model
         raise ValueError(f"fsd_rule={fsd_rule!r} needs a draft model: pass draft_model=<a causal LM "
                          f"sharing the target's tokenizer> (transformers does not hand "
                          f"assistant_model to a callable custom_generate)")
+    if draft_model is not None:
+        check_pair(model.config, draft_model.config, *tokenizers,
+                   hint="; pass fsd_tokenizer= and fsd_draft_tokenizer= to compare the vocabularies")
     if model.config.is_encoder_decoder:
         raise ValueError("fsd_ext.hf.generate supports decoder-only models, not encoder-decoder ones")
     for option in _UNSUPPORTED_OUTPUTS:
@@ -166,7 +169,8 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
              streamer=None, *, draft_model=None, fsd_rule: str = "fsd", fsd_divergence: str = "js",
              fsd_threshold=0.3, fsd_num_draft_tokens: Optional[int] = None,
              fsd_div_temperature: Optional[float] = 1.0, fsd_seed=None, fsd_streamer=None,
-             fsd_draft_length: Optional[str] = None, fsd_draft_cost: float = 0.25, **model_kwargs):
+             fsd_draft_length: Optional[str] = None, fsd_draft_cost: float = 0.25,
+             fsd_tokenizer=None, fsd_draft_tokenizer=None, **model_kwargs):
     """The loop transformers runs for `model.generate(..., custom_generate=fsd_ext.hf.generate)`.
 
     Not meant to be called directly: transformers passes `model` (the target), `input_ids` [B, P]
@@ -188,6 +192,11 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
             generator, so torch.manual_seed makes a run reproducible).
         fsd_streamer: a streamer (put/end; batch 1), since transformers keeps `streamer` from a
             callable custom_generate.
+        fsd_tokenizer, fsd_draft_tokenizer: the two tokenizers (transformers keeps `tokenizer` and
+            `assistant_tokenizer` from a callable). Given both, every draft token must have the
+            same id in the target's (fsd_ext.generate.check_tokenizers); otherwise the models'
+            configs must agree on vocab_size and bos_token_id, which cannot tell a same-size
+            vocabulary of other tokens apart. Either way a mismatch raises ValueError.
 
     From the generation config: max_length / max_new_tokens, eos_token_id, pad_token_id, and
     do_sample with temperature, top_k, top_p, min_p (do_sample=False is greedy). Everything else
@@ -210,7 +219,8 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
         raise ValueError("generation_config is missing: call this through model.generate("
                          "..., custom_generate=fsd_ext.hf.generate)")
     _check_request(model, input_ids, generation_config, stopping_criteria, model_kwargs,
-                   draft_model, fsd_rule, fsd_divergence, fsd_threshold)
+                   draft_model, fsd_rule, fsd_divergence, fsd_threshold,
+                   (fsd_tokenizer, fsd_draft_tokenizer))
     sampling = _sampling_args(logits_processor, bool(generation_config.do_sample))
     draft_length = _draft_length(fsd_draft_length, generation_config)
     confidence = getattr(generation_config, "assistant_confidence_threshold", None)
@@ -232,10 +242,12 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
 
 
 def generate_from_raw_arguments(model, inputs=None, *, assistant_model=None, draft_model=None,
-                                streamer=None, fsd_streamer=None, **kwargs):
+                                streamer=None, fsd_streamer=None, tokenizer=None,
+                                assistant_tokenizer=None, **kwargs):
     """What the folder form (custom_generate/generate.py) runs. transformers hands a folder's
-    function generate's own arguments unprepared, assistant_model and streamer included; this puts
-    them where `generate` above reads them and runs model.generate with it."""
+    function generate's own arguments unprepared, assistant_model, streamer, tokenizer and
+    assistant_tokenizer included; this puts them where `generate` above reads them and runs
+    model.generate with it."""
     if assistant_model is not None and draft_model is not None and assistant_model is not draft_model:
         raise ValueError("pass the draft once, as assistant_model or as draft_model")
     if streamer is not None and fsd_streamer is not None:
@@ -245,4 +257,5 @@ def generate_from_raw_arguments(model, inputs=None, *, assistant_model=None, dra
     # replaced by the folder's function, which would call back here.
     return type(model).generate(model, inputs, custom_generate=generate, draft_model=draft,
                                 fsd_streamer=streamer if streamer is not None else fsd_streamer,
+                                fsd_tokenizer=tokenizer, fsd_draft_tokenizer=assistant_tokenizer,
                                 **kwargs)

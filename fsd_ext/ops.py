@@ -194,7 +194,9 @@ def accept(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens
         draft_tokens: [B, K] int32 | int64, the drafted ids (entries past num_draft are ignored).
         rule: "greedy" | "sd" | "fsd" (default) | "fsd_strict".
         divergence: "kl" | "rkl" | "js" (default) | "tv" | "mkl", used by fsd / fsd_strict.
-        threshold: T >= 0, a float or a [B] float tensor.
+        threshold: T >= 0, a float or a [B] float tensor. NaN or a negative value raises
+            ValueError in either form (on CUDA a tensor's values are not read on the host: such
+            a row comes back invalid, see Returns).
         temperature: sampling temperature >= 0 (0 = greedy), a float or a [B] tensor.
         div_temperature: temperature > 0 of the distributions the divergence compares (float or
             [B]); None compares the sampling distributions themselves.
@@ -212,7 +214,7 @@ def accept(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens
         divergence [B, K] float32 or None). valid is False for rows with NaN logits or no finite
         logit; on CUDA, where checking device values would need a host sync, also for rows with
         draft ids or num_draft out of range or per-row threshold / temperature values out of range
-        (the CPU raises for those).
+        (the CPU raises ValueError for those, as for the float forms).
 
     Example:
         >>> res = fsd_ext.accept(target_logits, draft_logits, draft_tokens, rule="fsd",

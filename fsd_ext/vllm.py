@@ -180,8 +180,23 @@ def _runner_init(self, vllm_config, *args, **kwargs):
         _warn_once("sample_method", "fsd_ext.vllm: vLLM keeps the draft's distributions only with "
                    "speculative_config draft_sample_method='probabilistic' (and rejection_sample_method="
                    "'standard'); without them FSD cannot run and every step keeps vLLM's own rule")
+    check_draft(vllm_config)
     # (set even without the draft's distributions: its steps then go through the counted fallback)
     self._fsd = _EngineState(config)
+
+
+def check_draft(vllm_config) -> None:
+    """ValueError when an FSD engine's draft does not share the target's token ids, as far as the
+    models' configs tell (fsd_ext.generate.check_pair: vocab_size and bos_token_id; vLLM loads the
+    draft with the target's tokenizer, so the draft's own is not compared). A draft of another
+    vocabulary under use_heterogeneous_vocab passes: vLLM maps its ids, and FSD keeps vLLM's rule."""
+    from .generate import check_pair
+
+    spec = vllm_config.speculative_config
+    if getattr(spec, "use_heterogeneous_vocab", False):
+        return
+    check_pair(vllm_config.model_config.hf_text_config, spec.draft_model_config.hf_text_config,
+               hint=" (speculative_config use_heterogeneous_vocab=True drafts keep vLLM's own rule)")
 
 
 def _runner_sample(self, logits, spec_decode_metadata):

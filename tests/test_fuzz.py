@@ -632,10 +632,10 @@ def test_regression_infinite_temperature_rejected(where):
     with pytest.raises(ERRORS, match="temperature"):
         fsd_ext.accept(target, draft, torch.tensor([[1]]), seed=0, **kwargs)
     # The op itself (no front end) rejects it as well: it holds the range checks (a ValueError, as
-    # from the front end); a per-row value is checked as the kernel reads it (RuntimeError).
+    # from the front end); a per-row value too, by the CPU binding.
     with pytest.raises(ValueError, match="temperature"):
         torch.ops.fsd_ext.sample(target, None, math.inf, 0, 1.0, 0.0, None, 0, False, None, 0)
-    with pytest.raises(RuntimeError, match="temperature"):
+    with pytest.raises(ValueError, match="temperature"):
         torch.ops.fsd_ext.sample(target, torch.tensor([math.inf]), 1.0, 0, 1.0, 0.0, None, 0, False, None, 0)
 
 

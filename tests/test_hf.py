@@ -270,3 +270,39 @@ def test_import_fsd_ext_loads_transformers_only_for_fsd_ext_hf():
     code = ("import sys, fsd_ext; assert 'transformers' not in sys.modules; "
             "fsd_ext.hf.generate; assert 'transformers' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class VocabTokenizer:
+    """A stand-in tokenizer: check_tokenizers reads get_vocab() only."""
+
+    def __init__(self, vocab_size, swap=False):
+        self.vocab = {f"t{i}": i for i in range(vocab_size)}
+        if swap:
+            self.vocab["t2"], self.vocab["t3"] = 3, 2
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+
+def test_draft_with_a_smaller_vocabulary_is_refused(target):
+    """A draft with a smaller vocabulary (another tokenizer) ran and gave garbage at large
+    thresholds (issue 59, item 6); Hugging Face's assisted generation refuses it without tokenizers."""
+    small = helpers.tiny_llama(1, 1, vocab=VOCAB - 32, hidden=32, heads=2, kv_heads=1, max_positions=256)
+    ids, mask = prompts([3, 4])
+    with pytest.raises(ValueError, match=f"vocab_size {VOCAB} vs {VOCAB - 32}"):
+        fsd_hf(target, small, ids, mask, do_sample=False, max_new_tokens=4, fsd_threshold=100.0)
+    # Folder form: transformers' own tokenizer= / assistant_tokenizer= names reach the same check.
+    with pytest.raises(ValueError, match="tokenizers differ"):
+        fsd_ext.hf.generate_from_raw_arguments(
+            target, ids, attention_mask=mask, assistant_model=small, tokenizer=VocabTokenizer(VOCAB),
+            assistant_tokenizer=VocabTokenizer(VOCAB - 32, swap=True), do_sample=False, max_new_tokens=4)
+
+
+def test_tokenizers_given_are_compared(target, draft):
+    ids, mask = prompts([3, 4])
+    with pytest.raises(ValueError, match="tokenizers differ"):
+        fsd_hf(target, draft, ids, mask, do_sample=False, max_new_tokens=4,
+               fsd_tokenizer=VocabTokenizer(VOCAB), fsd_draft_tokenizer=VocabTokenizer(VOCAB, swap=True))
+    out = fsd_hf(target, draft, ids, mask, do_sample=False, max_new_tokens=4,
+                 fsd_tokenizer=VocabTokenizer(VOCAB), fsd_draft_tokenizer=VocabTokenizer(VOCAB))
+    assert out.shape == (2, ids.shape[1] + 4)

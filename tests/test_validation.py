@@ -101,6 +101,17 @@ def test_fake_accept_shapes_for_good_inputs():
     assert [tuple(t.shape) for t in out] == [(3, 3), (3,), (3,), (3, 2)]
 
 
+@pytest.mark.parametrize("bad", [float("nan"), -1.0])
+def test_bad_threshold_tensor_raises_value_error_like_the_float(bad):
+    """A NaN (or negative) value in a [B] threshold tensor raised RuntimeError from the CPU op where
+    the float form raises ValueError (issue 59, item 7)."""
+    target, draft, tokens = torch.randn(2, 3, 8), torch.randn(2, 2, 8), torch.zeros(2, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="threshold"):
+        fsd_ext.accept(target, draft, tokens, threshold=bad, seed=0)
+    with pytest.raises(ValueError, match=r"threshold\[1\]"):
+        fsd_ext.accept(target, draft, tokens, threshold=torch.tensor([0.1, bad]), seed=0)
+
+
 # ----------------------------------------------------------------------------------------------
 # fsd_ext.generate and fsd_ext.hf.generate: refused before the prompts' forwards.
 
@@ -146,6 +157,7 @@ def no_forward(monkeypatch):
     (dict(div_temperature=0.0), "div_temperature"),
     (dict(temperature=float("inf")), "temperature"),
     (dict(threshold=torch.tensor([0.1, 0.2, 0.3])), "threshold"),
+    (dict(threshold=torch.tensor([0.1, float("nan")])), "threshold"),
 ])
 def test_bad_options_are_refused_before_any_forward(target, draft, no_forward, kwargs, match):
     ids, mask = helpers.left_padded_prompts([3, 4], VOCAB, seed=1)
@@ -295,3 +307,22 @@ def test_cli_a_user_error_found_after_loading_is_one_line(monkeypatch, capsys):
 
     monkeypatch.setattr(cli, "_load_pair", mismatch)
     assert "tokenizer differs" in cli_error(["generate", "--target", "t", "--draft", "d", "--prompt", "hi"], capsys)
+
+
+def test_vllm_plugin_refuses_a_draft_of_another_vocabulary():
+    """fsd_ext.vllm's check on stand-ins for vLLM's configs (vLLM itself is not needed)."""
+    from types import SimpleNamespace as NS
+
+    from fsd_ext import vllm as plugin
+
+    def engine(draft_vocab, draft_bos=1, heterogeneous=False):
+        spec = NS(draft_model_config=NS(hf_text_config=NS(vocab_size=draft_vocab, bos_token_id=draft_bos)),
+                  use_heterogeneous_vocab=heterogeneous)
+        return NS(model_config=NS(hf_text_config=NS(vocab_size=VOCAB, bos_token_id=1)), speculative_config=spec)
+
+    plugin.check_draft(engine(VOCAB))
+    with pytest.raises(ValueError, match="vocab_size 128 vs 96"):
+        plugin.check_draft(engine(96))
+    with pytest.raises(ValueError, match="bos_token_id 1 vs 2"):
+        plugin.check_draft(engine(VOCAB, draft_bos=2))
+    plugin.check_draft(engine(96, heterogeneous=True))  # vLLM maps the ids; FSD keeps vLLM's rule

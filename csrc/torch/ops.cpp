@@ -39,12 +39,12 @@ void check_draft_tokens(const Tensor& tokens, const OptTensor& num_draft, int64_
 }
 
 // Per-row float arguments given as tensors must hold valid values too (the scalar forms are
-// checked in problem.h); on the CPU reading them is free.
+// checked in problem.h); on the CPU reading them is free. ValueError, as for the scalar forms.
 void check_row_values(const OptTensor& values, const RowArg& arg) {
   if (!values.has_value()) return;
   const float* v = values->data_ptr<float>();
   for (int64_t b = 0; b < values->numel(); ++b)
-    TORCH_CHECK(arg.in_range(v[b]), arg.name, "[", b, "] = ", v[b], " must be ", arg.range);
+    TORCH_CHECK_VALUE(arg.in_range(v[b]), arg.name, "[", b, "] = ", v[b], " must be ", arg.range);
 }
 
 // An offset tensor must hold a value >= 0 like the int form (problem.h); the CUDA kernels read it on
