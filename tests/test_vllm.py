@@ -27,22 +27,32 @@ PROMPTS = ["def add(a, b):", "the quick brown", "for i in range", "speculative"]
 # Without an engine.
 
 def test_version_range():
-    plugin.check_vllm_version(vllm.__version__)
-    for version in ("0.31.2", "0.33.0", "1.0.0"):
-        with pytest.raises(RuntimeError, match="supports vLLM >= 0.32.0, < 0.33.0"):
+    for version in (vllm.__version__, "0.32.1", "0.33.0", "0.33.2"):
+        plugin.check_vllm_version(version)
+    for version in ("0.31.2", "0.34.0", "1.0.0"):
+        with pytest.raises(RuntimeError, match="supports vLLM >= 0.32.0, < 0.34.0"):
             plugin.check_vllm_version(version)
+
+
+def test_the_installed_rejection_sample_has_the_expected_signature():
+    import inspect
+
+    from vllm.v1.sample import rejection_sampler
+
+    original = plugin._originals.get("rejection_sample", rejection_sampler.rejection_sample)
+    assert tuple(inspect.signature(original).parameters) == plugin.rejection_sample_params(vllm.__version__)
 
 
 def test_registration_refuses_an_unsupported_vllm():
     import subprocess
     import sys
 
-    code = ("import vllm; vllm.__version__ = '0.33.0'\n"
+    code = ("import vllm; vllm.__version__ = '0.34.0'\n"
             "from fsd_ext import vllm as plugin; plugin.register()")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert run.returncode != 0
-    assert "RuntimeError: fsd_ext.vllm supports vLLM >= 0.32.0, < 0.33.0" in run.stderr
+    assert "RuntimeError: fsd_ext.vllm supports vLLM >= 0.32.0, < 0.34.0" in run.stderr
 
 
 def test_config_parsing():
@@ -155,6 +165,18 @@ def test_invalid_row_takes_vllms_rule():
         plugin._step = None
     assert tokens[0].tolist() == [3, 3, 4]
     assert tokens[1, 0].item() >= 0  # vLLM's greedy rule: the argmax of the NaN row
+
+
+@pytest.mark.parametrize("rule", [dict(synthetic_mode=True), dict(fly_window_size=2)])
+def test_vllms_other_rules_keep_their_steps(monkeypatch, rule):
+    """Synthetic acceptance and FLy (vLLM 0.33) are rules of their own: vLLM's function decides."""
+    calls = []
+    monkeypatch.setitem(plugin._originals, "rejection_sample", lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(plugin, "_step", (plugin._EngineState(plugin.FsdConfig()), torch.zeros(1)))
+    target = torch.zeros((2, 8))
+    plugin._rejection_sample(torch.tensor([1, 2], dtype=torch.int32), [2], 2, torch.tensor([2]),
+                             torch.full((2, 8), 1 / 8), target, torch.tensor([[3]]), _metadata(), **rule)
+    assert calls == [rule]
 
 
 # ----------------------------------------------------------------------------------------------
