@@ -49,15 +49,19 @@ def _load_pair(args, need_draft: bool):
     from . import models
     from .generate import check_tokenizers
 
+    names = (args.target, args.draft) if need_draft else (args.target,)
+    options = {name: models.resolve_load_options(name, args.device, args.dtype, args.linear_weights)
+               for name in names}
+
     def load(name):
-        dtype, linear_weights = models.resolve_load_options(name, args.device, args.dtype, args.linear_weights)
+        dtype, linear_weights = options[name]
         return models.load(name, dtype=dtype, device=args.device, linear_weights=linear_weights,
                            activations=args.activations)
 
     # Built-in checkpoints are converted (once) before either model loads, so that a conversion's
     # memory never adds to a loaded model's.
-    for name in (args.target, args.draft) if need_draft else (args.target,):
-        models.resolve(name)
+    for name in names:
+        models.resolve(name, linears=options[name][1] != "gguf")
     print(f"loading target {args.target} ...", file=sys.stderr, flush=True)
     target, tokenizer = load(args.target)
     draft = None

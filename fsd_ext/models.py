@@ -269,6 +269,8 @@ def _assemble(parts, out: Path, spec: WeightSpec) -> None:
 # GGUF -> transformers.
 
 SHARD_BYTES = 512 << 20  # the converted folder's safetensors shards
+NONLINEAR_SUFFIX = "-nonlinear"  # <cache>/<name>-nonlinear: a converted folder without the GGUF linears
+NONLINEAR_INDEX = "fsd_ext_nonlinear.index.json"
 
 
 def _dequantize(tensor, rows_per_chunk: int = 4096):
@@ -289,17 +291,19 @@ def _dequantize(tensor, rows_per_chunk: int = 4096):
     return out
 
 
-def _gguf_tensors_as_hf(gguf: Path, config):
+def _gguf_tensors_as_hf(gguf: Path, config, omitted: Optional[set] = None):
     """Yields (transformers parameter name, float32 tensor) for the GGUF file's tensors, one at a
     time (dequantised with gguf-py, renamed and reshaped by transformers' own GGUF tensor map and
-    processors, as `from_pretrained(gguf_file=...)` does, but never holding more than one)."""
+    processors, as `from_pretrained(gguf_file=...)` does, but never holding more than one).
+    omitted: a set to which the names of nn.Linear weights stored in a type fsd_ext's GGUF linears
+    read (gguf_weights.SUPPORTED_TYPES) are added instead of being yielded; None: yield all."""
     import gguf as gguf_py
     import numpy as np
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map, load_gguf_checkpoint)
 
-    from .cpu_linear.gguf_weights import release_file_pages
+    from .cpu_linear.gguf_weights import SUPPORTED_TYPES, release_file_pages
 
     with torch.device("meta"):  # names and shapes only, no memory
         skeleton = AutoModelForCausalLM.from_config(config)
@@ -311,8 +315,15 @@ def _gguf_tensors_as_hf(gguf: Path, config):
     expected = {name for name, _ in skeleton.named_parameters()}
     if getattr(config, "tie_word_embeddings", False):
         expected.discard("lm_head.weight")
+    linear_weights = {f"{name}.weight" for name, module in skeleton.named_modules()
+                      if isinstance(module, torch.nn.Linear)}
     produced = set()
     for tensor in reader.tensors:
+        if omitted is not None and name_map.get(tensor.name) in linear_weights \
+                and tensor.tensor_type.name in SUPPORTED_TYPES:
+            omitted.add(name_map[tensor.name])
+            produced.add(name_map[tensor.name])
+            continue
         emitted = {"config": parsed["config"], "tensors": {}}  # (some processors emit tensors here)
         result = processor.process(weights=_dequantize(tensor), name=tensor.name,
                                    tensor_key_mapping=name_map, parsed_parameters=emitted)
@@ -329,14 +340,18 @@ def _gguf_tensors_as_hf(gguf: Path, config):
                            f"e.g. {sorted(missing)[:3]}")
 
 
-def _convert(gguf: Path, folder: Path, shard_bytes: int = SHARD_BYTES) -> None:
+def _convert(gguf: Path, folder: Path, shard_bytes: int = SHARD_BYTES, nonlinear: bool = False) -> None:
     """Dequantise a GGUF checkpoint once into a float32 safetensors folder transformers loads fast:
     tensor by tensor into shards of about `shard_bytes` (with the standard index), so the peak
-    memory is a shard and one tensor rather than the whole float32 model."""
+    memory is a shard and one tensor rather than the whole float32 model.
+    nonlinear: leave out the linear weights that GGUF linears read from the file instead (listed
+    under "omitted" in the index), and name the index NONLINEAR_INDEX, so that transformers and
+    vLLM refuse the folder rather than load a model without them."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    _log(f"converting {gguf.name} once into {folder} (dequantising tensor by tensor) ...")
+    what = "all but the linear weights the GGUF file's codes give" if nonlinear else "dequantising tensor by tensor"
+    _log(f"converting {gguf.name} once into {folder} ({what}) ...")
     config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     tmp = cache_files.tmp_path(folder)
@@ -352,7 +367,8 @@ def _convert(gguf: Path, folder: Path, shard_bytes: int = SHARD_BYTES) -> None:
             shards.append((path, list(shard)))
             shard, shard_size = {}, 0
 
-    for name, weight in _gguf_tensors_as_hf(gguf, config):
+    omitted = set() if nonlinear else None
+    for name, weight in _gguf_tensors_as_hf(gguf, config, omitted):
         size = weight.numel() * weight.element_size()
         if shard and shard_size + size > shard_bytes:
             flush()
@@ -363,8 +379,9 @@ def _convert(gguf: Path, folder: Path, shard_bytes: int = SHARD_BYTES) -> None:
         final = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         path.rename(tmp / final)
         weight_map.update(dict.fromkeys(names, final))
-    (tmp / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    metadata = {"total_size": total, **({"omitted": sorted(omitted)} if nonlinear else {})}
+    (tmp / (NONLINEAR_INDEX if nonlinear else "model.safetensors.index.json")).write_text(json.dumps(
+        {"metadata": metadata, "weight_map": weight_map}, indent=2))
     GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -399,12 +416,29 @@ def _make_tokenizer_config_portable(folder: Path) -> None:
     path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
 
 
-def resolve(name_or_path: str) -> str:
-    """A built-in name -> its converted folder (assembling/converting as needed); else unchanged."""
+def resolve(name_or_path: str, linears: bool = True) -> str:
+    """A built-in name -> its converted folder (assembling/converting as needed); else unchanged.
+
+    linears=True: the Hugging Face model folder, every weight in float32 (what transformers and
+    vLLM load); it replaces the folder below. linears=False, for a load whose linear layers read
+    the GGUF file's own codes (load's linear_weights="gguf"): that folder where it exists, else
+    <cache>/<name>-nonlinear, the same without the linear weights the codes give (a fifth of the
+    bytes for the default pair: their float32 copies would never be read)."""
     spec = BUILTIN.get(name_or_path)
     if spec is None:
         return name_or_path
-    folder = cache_dir() / spec.name
+    full = cache_dir() / spec.name
+    nonlinear = cache_dir() / f"{spec.name}{NONLINEAR_SUFFIX}"
+    if not linears and not full.exists():
+        return str(_converted(spec, nonlinear, nonlinear=True))
+    _converted(spec, full, nonlinear=False)
+    if nonlinear.exists():  # each weight stored once
+        with cache_files.lock(nonlinear):
+            cache_files.remove(nonlinear)
+    return str(full)
+
+
+def _converted(spec: WeightSpec, folder: Path, nonlinear: bool) -> Path:
     with cache_files.lock(folder):
         if folder.exists():
             try:  # every file's size, the small files' and shard headers' digests (load checks tensors)
@@ -413,8 +447,8 @@ def resolve(name_or_path: str) -> str:
                 cache_files.warn_rebuild(error)
                 cache_files.remove(folder)
         if not folder.exists():
-            _convert(assemble_gguf(spec), folder)
-    return str(folder)
+            _convert(assemble_gguf(spec), folder, nonlinear=nonlinear)
+    return folder
 
 
 def _check_used_tensors(folder: Path, model) -> None:
@@ -493,9 +527,9 @@ def load(name_or_path: str, dtype="auto", device: str = "cpu",
         check_gguf = lambda: assemble_gguf(spec)  # noqa: E731
         if not convert:
             name_or_path, gguf_file = str(gguf.parent), gguf.name
-    converted = None
+    converted, around_gguf = None, spec is not None and convert and linear_weights == "gguf"
     if gguf_file is None:
-        name_or_path = resolve(name_or_path)
+        name_or_path = resolve(name_or_path, linears=not around_gguf)
         converted = Path(name_or_path) if spec is not None else None
     else:
         kwargs["gguf_file"] = gguf_file
@@ -503,6 +537,15 @@ def load(name_or_path: str, dtype="auto", device: str = "cpu",
         activations = default_activations(device)
 
     def build():
+        nonlocal around_gguf, name_or_path, converted
+        if around_gguf:
+            try:
+                return _build_around_gguf_linears(converted, gguf, dtype, attn_implementation, activations,
+                                                  check_gguf)
+            except _LinearsLeft as left:  # (not seen with the built-in checkpoints)
+                _log(f"{left}: converting {spec.name} in full")
+                around_gguf, converted = False, Path(resolve(spec.name))
+                name_or_path = str(converted)
         tokenizer = AutoTokenizer.from_pretrained(name_or_path, **kwargs)
         dtype_kwargs = {"dtype" if _TRANSFORMERS_MAJOR >= 5 else "torch_dtype": dtype}
         model = AutoModelForCausalLM.from_pretrained(name_or_path, attn_implementation=attn_implementation,
@@ -526,7 +569,7 @@ def load(name_or_path: str, dtype="auto", device: str = "cpu",
             del model
             with cache_files.lock(converted):
                 cache_files.remove(converted)
-            resolve(spec.name)
+            converted = Path(resolve(spec.name, linears=not around_gguf))
             model, tokenizer = build()
             try:
                 _check_used_tensors(converted, model)
@@ -548,6 +591,49 @@ def load(name_or_path: str, dtype="auto", device: str = "cpu",
     return model, tokenizer
 
 
+class _LinearsLeft(RuntimeError):
+    pass
+
+
+def _build_around_gguf_linears(folder: Path, gguf: Path, dtype, attn_implementation: str, activations: str,
+                               check_gguf):
+    """-> (model, tokenizer): the model's linear layers read the GGUF file's codes (through the
+    repacked cache), its other tensors are read from the converted `folder`; the float32 linear
+    weights are never built (parameters on the meta device until then: accelerate). Raises
+    _LinearsLeft if GGUF linears do not replace every linear weight the folder lacks."""
+    import itertools
+
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .cpu_linear.gguf_weights import load_gguf_linear_weights
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    config = AutoConfig.from_pretrained(str(folder))
+    dtype_kwargs = {"dtype" if _TRANSFORMERS_MAJOR >= 5 else "torch_dtype": dtype}
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, **dtype_kwargs)
+    shard_of = {tensor: shard for shard, entry in cache_files.read_manifest(folder)["shards"].items()
+                for tensor in entry["tensors"]}
+    wanted = {name for name, p in itertools.chain(model.named_parameters(), model.named_buffers())
+              if p.is_meta and name in shard_of}
+    state = {}
+    for shard in sorted({shard_of[name] for name in wanted}):
+        with safe_open(str(folder / shard), framework="pt") as tensors:
+            state.update({name: tensors.get_tensor(name) for name in tensors.keys() if name in wanted})
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    load_gguf_linear_weights(model, gguf, cache_path=gguf_linears_cache(gguf, activations), verify="file",
+                             activations=activations, check_file=check_gguf)
+    left = [name for name, p in itertools.chain(model.named_parameters(remove_duplicate=False),
+                                                 model.named_buffers()) if p.is_meta]
+    if left:
+        raise _LinearsLeft(f"{folder.name} lacks {len(left)} weights that the GGUF file's linears do "
+                           f"not give, e.g. {left[0]}")
+    return model.eval(), tokenizer
+
+
 def names() -> Sequence[str]:
     return tuple(BUILTIN)
 
@@ -557,7 +643,8 @@ def names() -> Sequence[str]:
 
 @dataclass(frozen=True)
 class Artefact:
-    kind: str   # "gguf" (assembled), "converted" (safetensors folder), "gguf-linears", "leftover" (*.tmp)
+    kind: str   # "gguf" (assembled), "converted" (safetensors folder), "nonlinear" (the same without the
+    #             GGUF linears' weights: resolve), "gguf-linears", "leftover" (*.tmp)
     name: str   # the model it belongs to: a built-in name or a GGUF file's stem
     path: Path
 
@@ -573,6 +660,8 @@ def cached_artefacts() -> list:
             found.append(Artefact("leftover", name.removesuffix(".gguf").removesuffix(".safetensors"), path))
         elif path.suffix == ".gguf" and path.is_file():
             found.append(Artefact("gguf", path.stem, path))
+        elif path.is_dir() and path.name.endswith(NONLINEAR_SUFFIX):
+            found.append(Artefact("nonlinear", path.name.removesuffix(NONLINEAR_SUFFIX), path))
         elif path.is_dir() and path.name != "gguf-linears":
             found.append(Artefact("converted", path.name, path))
         elif path.parent.name == "gguf-linears" and path.suffix == ".safetensors":
@@ -584,7 +673,7 @@ def verify_artefact(artefact: Artefact) -> None:
     """Check an artefact in full (every byte against its digests); raises cache_files.CorruptCache."""
     if artefact.kind == "leftover":
         raise cache_files.CorruptCache(f"{artefact.path}: left by an interrupted build")
-    if artefact.kind == "converted":
+    if artefact.kind in ("converted", "nonlinear"):
         cache_files.check_folder(artefact.path, "all")
     elif artefact.kind == "gguf":
         spec = BUILTIN.get(artefact.name)

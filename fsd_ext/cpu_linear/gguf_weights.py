@@ -358,6 +358,8 @@ def _repack_checked(tensor, type_name: str, weight: torch.Tensor, order: Optiona
     import gguf
 
     out, in_features = weight.shape
+    if weight.is_meta and verify != "file":
+        raise ValueError("a weight on the meta device can be checked against the file only: verify='file'")
     raw = np.asarray(tensor.data)
     chunks = []
     for start in range(0, out, rows_per_chunk):  # (rows_per_chunk: a multiple of both layouts' tiles)
@@ -373,9 +375,9 @@ def _repack_checked(tensor, type_name: str, weight: torch.Tensor, order: Optiona
             ours = unpacked.dequantize()
             chunk = pack(unpacked)
         if verify == "file":
-            # the whole chunk against gguf-py; the module's weight at its first and last rows only
+            # the whole chunk against gguf-py; the module's weight (if it has one) at its first and last rows only
             same = np.array_equal(ours, gguf.quants.dequantize(source, tensor.tensor_type))
-            read = [(0, 4), (out - 4, out)]
+            read = [(0, 4), (out - 4, out)] if not weight.is_meta else []
         else:
             same, read = True, [(rows.start, rows.stop)]
         for first, stop in read:
@@ -489,7 +491,7 @@ def _from_cache(model, cache_path: Path, gguf_path: Path, report: Report) -> boo
         codes, params = loaded[name]
         weight = modules[name].weight.detach()
         rows_per_block = 16 if fmt == "int8" else 4
-        for block in (0, codes.shape[0] - 1):
+        for block in (0, codes.shape[0] - 1) if not weight.is_meta else ():
             rows = _cached_rows(codes, params, fmt, type_name, block)
             expected = weight[rows_per_block * block:rows_per_block * (block + 1)]
             if not torch.equal(rows[:expected.shape[0]].to(weight.dtype), expected):
@@ -543,7 +545,8 @@ def load_gguf_linear_weights(model: torch.nn.Module, gguf_path, cache_path=None,
     weights were dequantised from this very file (models.load), compares them with gguf-py's
     dequantisation of the file and only the module's first and last rows, so that a memory-mapped
     checkpoint's linear weights are never read (the first `fsd-ext demo` would otherwise hold the
-    whole float32 model in memory).
+    whole float32 model in memory). A weight on the meta device (models.load never builds the
+    float32 copy) is checked against gguf-py only, so it needs "file".
     cache_path: a safetensors file for the repacked codes. Repacking reads and checks every weight
     (about 30 s for the 1.5B model on 2 cores); a cache written for the same file (same size and
     modification time) is read instead, after its sha256 is checked (a damaged cache is deleted
@@ -589,7 +592,7 @@ def _load_linear_weights(model, gguf_path: Path, cache_path: Optional[Path], ver
         weight = module.weight
         tensor = _gguf_tensor(tensors, name_map, name, model)
         out, in_features = weight.shape
-        if weight.device.type != "cpu":
+        if weight.device.type not in ("cpu", "meta"):  # (meta: models.load builds it from the file)
             report.kept[name] = "not on the CPU"
         elif tensor is None:
             report.kept[name] = "no tensor in the file"

@@ -361,7 +361,7 @@ def test_load_puts_the_kernel_in_where_it_pays_off(monkeypatch, setting, pays_of
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: tiny)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
                         lambda *a, **k: type("Tokenizer", (), {"pad_token_id": 0})())
-    monkeypatch.setattr(models, "resolve", lambda name: name)
+    monkeypatch.setattr(models, "resolve", lambda name, linears=True: name)
     monkeypatch.setattr(cpu_linear, "skinny_pays_off", lambda dtype: pays_off)
     model, _ = models.load("some/folder", dtype=torch.float32, linear_weights=None, cpu_linears=setting)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]

@@ -175,12 +175,12 @@ def logits(model):
         return model(IDS).logits
 
 
-def shard(name: str, tensor: str) -> Path:
-    """The converted shard holding `tensor`."""
+def shard(name: str, tensor: str, nonlinear: bool = False) -> Path:
+    """The converted shard holding `tensor` (nonlinear: in the folder without the GGUF linears)."""
     import json
 
-    folder = models.cache_dir() / name
-    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    folder = models.cache_dir() / (name + models.NONLINEAR_SUFFIX if nonlinear else name)
+    index = json.loads((folder / (models.NONLINEAR_INDEX if nonlinear else "model.safetensors.index.json")).read_text())
     return folder / index["weight_map"][tensor]
 
 
@@ -229,14 +229,14 @@ def test_gguf_linears_of_a_builtin_are_checked_and_rebuilt(builtin):
     """linear_weights="gguf": the repacked cache is rebuilt from the assembled file, whose sha256
     is checked before it is read (not on a load that finds the cache good)."""
     name, reference = builtin
-    expected = logits(load(name, linear_weights="gguf"))
+    expected = logits(load(name, linear_weights="gguf", activations="float32"))  # (int8: not exact)
     assert (expected - logits(reference)).abs().max() < 1e-4
     cache = next((models.cache_dir() / "gguf-linears").glob("*.safetensors"))
     damage(cache, "random")
     assembled = models.cache_dir() / "tiny.gguf"
     damage(assembled, "random")  # found too: the rebuild reads it
     with pytest.warns(cache_files.CacheWarning) as warned:
-        model = load(name, linear_weights="gguf")
+        model = load(name, linear_weights="gguf", activations="float32")
     named = " ".join(str(w.message) for w in warned)
     assert cache.name in named and assembled.name in named
     assert torch.equal(logits(model), expected)
@@ -288,6 +288,59 @@ def test_two_first_conversions_convert_once(builtin, monkeypatch):
 
 
 # ----------------------------------------------------------------------------------------------
+# Each weight stored once: a load with GGUF linears never converts the linear weights to float32.
+
+def folder_tensors(folder: Path) -> set:
+    return cache_files.folder_tensors(cache_files.read_manifest(folder))
+
+
+def test_gguf_linears_load_converts_no_linear_weight(builtin):
+    """(Before: the whole model was converted to float32, the linear weights never read.)"""
+    name, reference = builtin
+    model = load(name, linear_weights="gguf", activations="float32")
+    nonlinear = models.cache_dir() / (name + models.NONLINEAR_SUFFIX)
+    assert not (models.cache_dir() / name).exists()
+    linear_weights = {f"{n}.weight" for n, m in reference.named_modules() if isinstance(m, torch.nn.Linear)}
+    stored = folder_tensors(nonlinear)
+    assert stored and not stored & linear_weights
+    assert "model.embed_tokens.weight" in stored and "model.layers.0.self_attn.q_proj.bias" in stored
+    assert not any(p.is_meta for p in model.parameters())
+    # the same model as the one built from the full float32 folder (the earlier way)
+    full = load(name, linear_weights="gguf", activations="float32", convert=False)
+    assert torch.equal(logits(model), logits(full))
+    assert (logits(model) - logits(reference)).abs().max() < 1e-4
+
+
+def test_full_folder_replaces_the_nonlinear_one(builtin):
+    name, reference = builtin
+    expected = logits(load(name, linear_weights="gguf", activations="float32"))
+    assert models.resolve(name) == str(models.cache_dir() / name)
+    assert not (models.cache_dir() / (name + models.NONLINEAR_SUFFIX)).exists()
+    assert torch.equal(logits(load(name, linear_weights="gguf", activations="float32")), expected)
+    assert not (models.cache_dir() / (name + models.NONLINEAR_SUFFIX)).exists()  # the full one serves
+    assert torch.equal(logits(load(name)), logits(reference))
+
+
+def test_transformers_refuses_the_nonlinear_folder(builtin):
+    """A folder without its linear weights must not load as a model with random ones."""
+    from transformers import AutoModelForCausalLM
+
+    name, _ = builtin
+    folder = models.resolve(name, linears=False)
+    with pytest.raises(OSError):
+        AutoModelForCausalLM.from_pretrained(folder)
+
+
+def test_linears_the_file_does_not_give_fall_back_to_the_full_folder(builtin, monkeypatch):
+    name, reference = builtin
+    models.resolve(name, linears=False)
+    monkeypatch.setattr(gguf_weights, "_TYPES", {})  # now no GGUF type is read as codes
+    model = load(name, linear_weights="gguf", activations="float32")
+    assert torch.equal(logits(model), logits(reference))
+    assert (models.cache_dir() / name).exists()
+
+
+# ----------------------------------------------------------------------------------------------
 # `fsd-ext cache`.
 
 def test_cache_command_lists_verifies_and_clears(builtin, capsys):
@@ -296,12 +349,12 @@ def test_cache_command_lists_verifies_and_clears(builtin, capsys):
     (models.cache_dir() / "other.gguf.tmp").write_bytes(b"x")
     assert cli.main(["cache", "list"]) == 0
     listed = capsys.readouterr().out
-    for kind in ("gguf", "converted", "gguf-linears", "leftover"):
+    for kind in ("gguf", "nonlinear", "gguf-linears", "leftover"):
         assert f" {kind} " in listed
     assert "MB on disk" in listed
     assert cli.main(["cache", "clear", "other"]) == 0
     assert cli.main(["cache", "verify"]) == 0
-    damage(shard(name, "lm_head.weight"), "zeroed", at=0.7)
+    damage(shard(name, "model.embed_tokens.weight", nonlinear=True), "zeroed", at=0.7)
     capsys.readouterr()
     assert cli.main(["cache", "verify", name]) == 1
     assert "BAD" in capsys.readouterr().out
