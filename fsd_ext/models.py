@@ -11,7 +11,9 @@ For a built-in name, `load`:
   3. converts the GGUF once into a float32 safetensors folder <cache>/<name>/, tensor by tensor
      (gguf-py dequantises, transformers' own GGUF name map and tensor processors rename; shards
      with an index; config.json gets a top-level `rope_theta` for transformers 4.5x) and loads from
-     there, checking the tensors the model uses against the digests written at conversion.
+     there, checking the tensors the model uses against the digests written at conversion. A load
+     whose linear layers read the GGUF file's codes (linear_weights="gguf") needs no float32 copy
+     of those weights: it converts <cache>/<name>-nonlinear/ without them instead (resolve).
      convert=False loads the GGUF directly every time instead.
 Damaged artefacts are rebuilt once (fsd_ext.cache_files; docs/generate.md, "The weight cache").
 
