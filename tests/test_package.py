@@ -1,4 +1,5 @@
-"""The library's import surface: the evaluation harness (fsd_ext.bench) stays out of it."""
+"""The library's import surface (the evaluation harness, fsd_ext.bench, stays out of it) and the
+examples the docs print in full."""
 
 import os
 import subprocess
@@ -14,3 +15,13 @@ def test_import_fsd_ext_does_not_load_the_bench_harness():
             "assert not loaded, loaded")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_vllm_example_in_the_docs_is_the_file():
+    """docs/engines.md prints examples/vllm_fsd.py (from `import os` on): they must not drift."""
+    with open(os.path.join(ROOT, "examples", "vllm_fsd.py")) as handle:
+        example = handle.read()
+    with open(os.path.join(ROOT, "docs", "engines.md")) as handle:
+        docs = handle.read()
+    code = example[example.index("import os"):]
+    assert f"```python\n{code}```" in docs
