@@ -19,7 +19,7 @@ from typing import List, Optional
 
 import torch
 
-from .types import DRAFT_LENGTHS
+from .decoding.draft_length import POLICIES
 
 DEMO_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively.",
@@ -91,7 +91,7 @@ def _add_sampling_args(parser, temperature: float, threshold: bool = True):
         parser.add_argument("--threshold", type=float, default=0.3, help="FSD threshold T")
     parser.add_argument("--num-draft-tokens", type=int, default=5,
                         help="K, the most drafts per target call")
-    parser.add_argument("--draft-length", default="fixed", choices=list(DRAFT_LENGTHS),
+    parser.add_argument("--draft-length", default="fixed", choices=list(POLICIES),
                         help="drafts per row and step: fixed (K), confidence (stop below "
                              "--draft-confidence), heuristic (+2 after a fully accepted step, -1 "
                              "otherwise), acceptance (from the row's running acceptance and "

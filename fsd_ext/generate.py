@@ -48,7 +48,8 @@ import torch
 
 from . import cuda_graphs, ops, reference
 from .kv_cache import StaticKVCache, capacity_for
-from .types import DIVERGENCES, DRAFT_LENGTHS, PURPOSE_ACCEPT, RULES
+from .decoding.draft_length import POLICIES
+from .types import DIVERGENCES, PURPOSE_ACCEPT, RULES
 
 # The two ops the loop uses: the compiled kernels, or the pure-torch reference with the same contract
 # when the extension is not built. Switching is this one line.
@@ -57,12 +58,6 @@ _accept, _sample = (ops.accept, ops.sample) if ops._IMPORT_ERROR is None else (r
 _dry_run_accept = _accept  # check_options' one-row call: apart from the loop's, which tests spy on
 
 GENERATE_RULES = ("ar",) + RULES
-
-# The "acceptance" policy's running estimate of a row's per-draft acceptance rate: decayed counts of
-# accepted drafts over tested drafts, starting from a prior worth a few drafts at 0.75.
-_ACCEPTANCE_PRIOR = (3.0, 4.0)  # (accepted, tested)
-_ACCEPTANCE_DECAY = 0.8  # per step: the estimate follows the last ~5 steps
-
 
 def seconds_per_decode_forward(seconds: float, prompt_seconds: float, forwards: int,
                                prompts: int = 1) -> float:
@@ -336,8 +331,8 @@ def check_options(*, rule: str = "fsd", divergence: str = "js", threshold=0.3,
     refuse. generate() calls it first; the command line calls it before it loads any model."""
     if rule not in GENERATE_RULES:
         raise ValueError(f"rule must be one of {GENERATE_RULES}, got {rule!r}")
-    if draft_length not in DRAFT_LENGTHS:
-        raise ValueError(f"draft_length must be one of {DRAFT_LENGTHS}, got {draft_length!r}")
+    if draft_length not in POLICIES:
+        raise ValueError(f"draft_length must be one of {tuple(POLICIES)}, got {draft_length!r}")
     if isinstance(draft_confidence, bool) or not isinstance(draft_confidence, numbers.Real) \
             or not 0.0 <= draft_confidence <= 1.0:
         raise ValueError(f"draft_confidence must be a float in [0, 1], got {draft_confidence!r}")
@@ -476,38 +471,6 @@ def _row_seeds(seed, batch: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Draft-length policies: how many drafts a row proposes in its next step.
-
-def heuristic_draft_length(k: int, num_accepted: int, num_drafted: int, max_k: int) -> int:
-    """draft_length="heuristic" (Hugging Face's assisted-generation schedule): a row's K grows by 2
-    after a step that accepted every draft it proposed and shrinks by 1 otherwise, within [1, max_k]."""
-    return min(max_k, k + 2) if num_accepted >= num_drafted else max(1, k - 1)
-
-
-def acceptance_draft_length(rate: float, max_k: int, draft_cost: float) -> int:
-    """draft_length="acceptance": the K in [1, max_k] that maximises a row's expected tokens per
-    unit of time when each draft is accepted with probability `rate` until the first rejection:
-    (1 + rate + ... + rate^K) tokens for (1 + draft_cost * K) target-verification times. The
-    smallest such K on ties."""
-    best_k, best_value, expected_tokens, power = 1, -1.0, 1.0, 1.0
-    for k in range(1, max_k + 1):
-        power *= rate
-        expected_tokens += power
-        value = expected_tokens / (1.0 + draft_cost * k)
-        if value > best_value + 1e-12:
-            best_k, best_value = k, value
-    return best_k
-
-
-def _update_acceptance(counts, num_accepted: int, num_drafted: int):
-    """A row's decayed (accepted, tested) draft counts after a step. A rejection tests one draft
-    more than were accepted; drafts after it are never tested, so they do not count."""
-    accepted, tested = counts
-    tested_now = num_accepted + (1 if num_accepted < num_drafted else 0)
-    return (_ACCEPTANCE_DECAY * accepted + num_accepted, _ACCEPTANCE_DECAY * tested + tested_now)
-
-
-# ----------------------------------------------------------------------------------------------
 # The loop.
 
 @dataclass
@@ -523,7 +486,7 @@ class _Settings:
     eos_ids: List[int]
     output_divergences: bool
     draft_vocab: int  # ids >= this are replaced by 0 before the draft reads them (0: no draft)
-    draft_length: str = "fixed"  # one of DRAFT_LENGTHS
+    draft_length: str = "fixed"  # a name in POLICIES
     draft_confidence: float = 0.4  # "confidence": a row stops below this draft probability
     draft_cost: float = 0.25  # "acceptance": a draft forward's time over a verification's
 
@@ -584,9 +547,8 @@ class _Decoder:
         self.generated: List[List[int]] = [[] for _ in self.rows]
         self.step = 0
         self.draft_behind = False  # some row accepted all its drafts last step (see module doc)
-        # Per original row: its next K under "heuristic"; its acceptance counts under "acceptance".
-        self.row_k = [settings.k] * len(self.rows)
-        self.row_acceptance = [_ACCEPTANCE_PRIOR] * len(self.rows)
+        self.policy = POLICIES[settings.draft_length](settings.k, len(self.rows), confidence=settings.draft_confidence,
+                                                      cost=settings.draft_cost)  # per original row
 
     def run(self) -> List[List[int]]:
         """Step until every row has stopped -> each row's generated tokens."""
@@ -626,7 +588,7 @@ class _Decoder:
         # Each row's most drafts: its policy's K, and near max_new_tokens only what it can still
         # keep (>= 1). Row b uses num_draft[b] of the step's drafts, so its tokens do not depend on
         # the other rows; the batch drafts until every live row has stopped.
-        row_caps = [max(1, min(self._policy_k(row), s.max_new_tokens - len(self.generated[row]) - 1))
+        row_caps = [max(1, min(self.policy.cap(row), s.max_new_tokens - len(self.generated[row]) - 1))
                     for row in self.rows]
         draft_logits, drafts, row_drafted = self._draft(row_caps)  # [B, k_step, V_d], [B, k_step]
         k_step = drafts.shape[1]
@@ -663,19 +625,9 @@ class _Decoder:
         self.last_committed = torch.where(out.num_accepted > 0, last_accepted, self.pending)
         return out
 
-    def _policy_k(self, row: int) -> int:
-        """The most drafts original row `row` proposes this step under the draft-length policy."""
-        s = self.settings
-        if s.draft_length == "heuristic":
-            return self.row_k[row]
-        if s.draft_length == "acceptance":
-            accepted, tested = self.row_acceptance[row]
-            return acceptance_draft_length(accepted / tested, s.k, s.draft_cost)
-        return s.k  # fixed; confidence stops a row while it drafts
-
     def _draft(self, row_caps: List[int]):
-        """One-token draft forwards until every live row has drafted its cap or (draft_length=
-        "confidence") a draft below the confidence threshold -> (logits [B, k_step, V_d] float32,
+        """One-token draft forwards until every live row has drafted its cap or its draft-length
+        policy stopped it (draft_length="confidence": a draft below the threshold) -> (logits [B, k_step, V_d] float32,
         drafts [B, k_step], drafts per slot [B] ints). A row that has stopped still rides along in
         the batch's forwards (its later drafts go unused), so every forward has the same shape.
         The first forward also re-reads the last committed token when the draft is one behind."""
@@ -700,10 +652,10 @@ class _Decoder:
             draft_logits.append(logits)
             drafts.append(token)
             draft_input = token[:, None]  # [B, 1]
-            low = (self._draft_confidence(logits, token) < s.draft_confidence).tolist() \
-                if s.draft_length == "confidence" else [False] * len(self.rows)  # [B] (a host sync)
+            stops = self.policy.stops(self._draft_confidence(logits, token)) if self.policy.stops_early \
+                else [False] * len(self.rows)  # [B]
             for j, cap in enumerate(row_caps):
-                if drafted[j] is None and (i + 1 >= cap or low[j]):
+                if drafted[j] is None and (i + 1 >= cap or stops[j]):
                     drafted[j] = i + 1  # the low-confidence draft itself is still verified
             if all(n is not None for n in drafted):
                 break
@@ -734,13 +686,8 @@ class _Decoder:
             stats.new_tokens += len(new)
             stats.verifications += 1
             if out.num_drafted is not None:  # (None for ar)
-                drafted, row = out.num_drafted[j], self.rows[j]
-                stats.drafted_tokens += drafted
-                if s.draft_length == "heuristic":
-                    self.row_k[row] = heuristic_draft_length(self.row_k[row], n, drafted, s.k)
-                elif s.draft_length == "acceptance":
-                    self.row_acceptance[row] = _update_acceptance(self.row_acceptance[row], n,
-                                                                  drafted)
+                stats.drafted_tokens += out.num_drafted[j]
+                self.policy.record(self.rows[j], n, out.num_drafted[j])
             kept_drafts = min(n, len(new))  # accepted drafts past EOS / max_new_tokens are cut
             stats.accepted_drafts += kept_drafts
             if out.sd_rejects is not None:

@@ -29,7 +29,8 @@ from transformers import GenerationConfig
 from transformers.generation import logits_process, stopping_criteria as criteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .generate import DRAFT_LENGTHS, GENERATE_RULES, check_pair
+from .decoding.draft_length import POLICIES
+from .generate import GENERATE_RULES, check_pair
 from .generate import generate as fsd_generate
 from .types import DIVERGENCES
 
@@ -103,8 +104,8 @@ _SCHEDULES = {None: "fixed", "constant": "fixed", "heuristic": "heuristic",
 def _draft_length(fsd_draft_length, generation_config: GenerationConfig) -> str:
     """fsd_draft_length, else the one num_assistant_tokens_schedule names."""
     if fsd_draft_length is not None:
-        if fsd_draft_length not in DRAFT_LENGTHS:
-            raise ValueError(f"fsd_draft_length must be one of {DRAFT_LENGTHS}, got {fsd_draft_length!r}")
+        if fsd_draft_length not in POLICIES:
+            raise ValueError(f"fsd_draft_length must be one of {tuple(POLICIES)}, got {fsd_draft_length!r}")
         return fsd_draft_length
     schedule = getattr(generation_config, "num_assistant_tokens_schedule", None)
     if schedule not in _SCHEDULES:

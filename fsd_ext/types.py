@@ -10,8 +10,6 @@ import torch
 # Index = the integer the C++ core uses (csrc/fsd/common.h). Never reorder.
 RULES = ("greedy", "sd", "fsd", "fsd_strict")
 DIVERGENCES = ("kl", "rkl", "js", "tv", "mkl")
-# The decoding loop's draft-length policies (fsd_ext.generate's draft_length=; docs/generate.md).
-DRAFT_LENGTHS = ("fixed", "confidence", "heuristic", "acceptance")
 
 # Random streams (csrc/fsd/common.h: Purpose).
 PURPOSE_ACCEPT = 1

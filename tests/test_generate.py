@@ -12,8 +12,9 @@ from torch.utils._pytree import tree_flatten
 
 import fsd_ext
 from fsd_ext import cuda_graphs
-from fsd_ext.generate import (_update_acceptance, acceptance_draft_length, check_tokenizers,
-                               heuristic_draft_length)
+from fsd_ext.decoding.draft_length import acceptance_draft_length, heuristic_draft_length
+from fsd_ext.decoding.draft_length import update_acceptance as _update_acceptance
+from fsd_ext.generate import check_tokenizers
 import helpers
 from helpers import PAD, chi_square_pvalue, left_padded_prompts
 
@@ -914,6 +915,39 @@ def test_confidence_one_drafts_fewer_and_zero_drafts_all(target, draft):
     assert never.sequences.tolist() == fixed.sequences.tolist()
     assert (never.stats.drafted_tokens, never.stats.draft_forwards) == \
         (fixed.stats.drafted_tokens, fixed.stats.draft_forwards)
+
+
+def test_a_registered_policy_drives_the_loop(target, draft, monkeypatch):
+    """A draft-length policy is one class in POLICIES: generate() asks it for each row's cap and
+    tells it what each step kept, row by row."""
+    from fsd_ext.decoding.draft_length import POLICIES, DraftLength
+
+    seen = []
+
+    class Alternate(DraftLength):
+        name = "alternate"  # rows alternate between 1 and K drafts per step
+
+        def __init__(self, k, rows, **options):
+            super().__init__(k, rows)
+            self.steps = [0] * rows
+
+        def cap(self, row):
+            return 1 if self.steps[row] % 2 else self.k
+
+        def record(self, row, num_accepted, num_drafted):
+            seen.append((row, num_drafted))
+            self.steps[row] += 1
+
+    monkeypatch.setitem(POLICIES, "alternate", Alternate)
+    ids, mask = random_prompts([4, 7], seed=52)
+    kwargs = dict(rule="sd", temperature=0.0, num_draft_tokens=4, max_new_tokens=16, seed=0)
+    out = fsd_ext.generate(target, draft, ids, mask, draft_length="alternate", **kwargs)
+    assert out.sequences.tolist() == fsd_ext.generate(target, draft, ids, mask, **kwargs).sequences.tolist()
+    for row in (0, 1):
+        drafted = [n for r, n in seen if r == row]
+        assert drafted[1::2] and set(drafted[1::2]) == {1}  # every second step: one draft
+        assert max(drafted[0::2]) == 4
+    assert out.stats.drafted_tokens == sum(n for _, n in seen)
 
 
 def test_heuristic_schedule_on_a_fake_sequence():

@@ -13,7 +13,8 @@ import shlex
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
-from ..types import DIVERGENCES, DRAFT_LENGTHS
+from ..decoding.draft_length import POLICIES
+from ..types import DIVERGENCES
 from . import humaneval
 from .env import environment
 from .grid import BENCH_RULES, DEFAULT_THRESHOLDS, Config, build_grid, parse_config, parse_thresholds
@@ -59,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser):
                            + "; ".join(f"{k}={','.join(map(str, v))}" for k, v in DEFAULT_THRESHOLDS.items())
                            + ")")
     grid.add_argument("--draft-lengths", default="fixed",
-                      help=f"draft-length policies of the SD/FSD rows, a subset of {','.join(DRAFT_LENGTHS)}")
+                      help=f"draft-length policies of the SD/FSD rows, a subset of {','.join(POLICIES)}")
     grid.add_argument("--config", action="append", default=None, metavar="SPEC",
                       help="an explicit configuration instead of the grid, repeatable: "
                            "rule[:divergence:threshold][:draft_length][:K=n], e.g. ar, sd:heuristic, "

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
-from ..types import DIVERGENCES, DRAFT_LENGTHS
+from ..decoding.draft_length import POLICIES
+from ..types import DIVERGENCES
 
 # Default threshold grids. Ranges: js in [0, ln 2], tv in [0, 1], kl/rkl/mkl unbounded; mkl is the
 # quantity the paper's code calls "js_div", so its grid brackets the paper's 0.4.
@@ -46,8 +47,8 @@ class Config:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.rule != "ar" and not self.num_draft_tokens >= 1:
             raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
-        if self.draft_length not in DRAFT_LENGTHS:
-            raise ValueError(f"draft_length must be one of {DRAFT_LENGTHS}, got {self.draft_length!r}")
+        if self.draft_length not in POLICIES:
+            raise ValueError(f"draft_length must be one of {tuple(POLICIES)}, got {self.draft_length!r}")
         if self.rule == "ar" and self.draft_length != "fixed":
             raise ValueError("rule 'ar' drafts nothing: draft_length must be 'fixed'")
 
