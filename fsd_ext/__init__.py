@@ -10,7 +10,7 @@ from importlib import metadata as _metadata
 
 from . import reference
 from .calibrate import Calibration, calibrate
-from .cuda_graphs import release_cuda_graphs
+from .decoding.cuda_graphs import release_cuda_graphs
 from .generate import GenerateOutput, GenerateStats, generate
 from .ops import accept, divergence, philox_uniforms, sample
 from .types import DIVERGENCES, RULES, AcceptResult

@@ -47,7 +47,7 @@ def _describe_dtype(model) -> str:
 
 def _load_pair(args, need_draft: bool):
     from . import models
-    from .generate import check_tokenizers
+    from .decoding.checks import check_tokenizers
 
     names = (args.target, args.draft) if need_draft else (args.target,)
     options = {name: models.resolve_load_options(name, args.device, args.dtype, args.linear_weights)
@@ -159,7 +159,7 @@ def check_args(args) -> None:
     """Every argument of generate / demo / calibrate, checked before anything is installed,
     converted or loaded (the generation options by generate's own check_options): raises
     ValueError or TypeError."""
-    from .generate import check_options
+    from .decoding.checks import check_options
     from .models import check_name
 
     if args.threads is not None and args.threads < 1:
@@ -174,7 +174,7 @@ def check_args(args) -> None:
     if any(rule != "ar" for rule in rules):
         check_name(args.draft)
     if args.command == "calibrate":
-        from .calibrate import check_calibrate_options
+        from .decoding.calibrate import check_calibrate_options
 
         check_calibrate_options(rule=args.rule, divergence=args.divergence,
                                 max_deviation=[b for group in args.max_deviation or [[0.02]] for b in group],
@@ -189,7 +189,7 @@ def check_args(args) -> None:
 def cmd_generate(args) -> int:
     from transformers import TextStreamer
 
-    from .generate import generate
+    from .decoding.loop import generate
 
     target, draft, tokenizer = _load_pair(args, need_draft=args.rule != "ar")
     input_ids = _encode(tokenizer, args.prompt, args.chat, args.device)
@@ -203,7 +203,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .generate import generate
+    from .decoding.loop import generate
 
     rules = args.rules.split(",")
     target, draft, tokenizer = _load_pair(args, need_draft=any(r != "ar" for r in rules))
@@ -297,7 +297,7 @@ def _calibration_prompts(args, texts: List[str], target, draft, tokenizer):
 
 
 def cmd_calibrate(args) -> int:
-    from .calibrate import calibrate, format_points
+    from .decoding.calibrate import calibrate, format_points
 
     budgets = [b for group in (args.max_deviation or [[0.02]]) for b in group]
     texts = read_prompts_file(args.prompts_file) if args.prompts_file else DEMO_PROMPTS  # (early)
@@ -396,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "0.02); several, repeated or comma-separated, each get a search")
     cal.add_argument("--thresholds", type=_floats, default=None,
                      help="candidate thresholds, comma-separated (default: the divergence's grid, "
-                          "fsd_ext.calibrate.CALIBRATION_GRID)")
+                          "fsd_ext.decoding.calibrate.CALIBRATION_GRID)")
     cal.add_argument("--refine-steps", type=int, default=2,
                      help="bisections between the last candidate within budget and the next")
     prompts = cal.add_mutually_exclusive_group()

@@ -30,8 +30,8 @@ from transformers.generation import logits_process, stopping_criteria as criteri
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .decoding.draft_length import POLICIES
-from .generate import GENERATE_RULES, check_pair
-from .generate import generate as fsd_generate
+from .decoding.checks import GENERATE_RULES, check_pair
+from .decoding.loop import generate as fsd_generate
 from .types import DIVERGENCES
 
 # Only 5.x was tested (5.25): 4.x is refused rather than run untested.
@@ -195,7 +195,7 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
             callable custom_generate.
         fsd_tokenizer, fsd_draft_tokenizer: the two tokenizers (transformers keeps `tokenizer` and
             `assistant_tokenizer` from a callable). Given both, every draft token must have the
-            same id in the target's (fsd_ext.generate.check_tokenizers); otherwise the models'
+            same id in the target's (fsd_ext.decoding.checks.check_tokenizers); otherwise the models'
             configs must agree on vocab_size and bos_token_id, which cannot tell a same-size
             vocabulary of other tokens apart. Either way a mismatch raises ValueError.
 

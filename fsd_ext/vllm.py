@@ -199,10 +199,10 @@ def _runner_init(self, vllm_config, *args, **kwargs):
 
 def check_draft(vllm_config) -> None:
     """ValueError when an FSD engine's draft does not share the target's token ids, as far as the
-    models' configs tell (fsd_ext.generate.check_pair: vocab_size and bos_token_id; vLLM loads the
+    models' configs tell (fsd_ext.decoding.checks.check_pair: vocab_size and bos_token_id; vLLM loads the
     draft with the target's tokenizer, so the draft's own is not compared). A draft of another
     vocabulary under use_heterogeneous_vocab passes: vLLM maps its ids, and FSD keeps vLLM's rule."""
-    from .generate import check_pair
+    from .decoding.checks import check_pair
 
     spec = vllm_config.speculative_config
     if getattr(spec, "use_heterogeneous_vocab", False):

@@ -12,7 +12,7 @@ import fsd_ext
 import helpers
 
 transformers = pytest.importorskip("transformers")
-calibrate_module = importlib.import_module("fsd_ext.calibrate")  # (fsd_ext.calibrate: the function)
+calibrate_module = importlib.import_module("fsd_ext.decoding.calibrate")
 
 VOCAB = 128
 # On the tiny pair below (greedy, 32 tokens) the pooled share is 0 at 0.01, 6% at 0.02 and 40% at

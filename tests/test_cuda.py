@@ -339,11 +339,11 @@ def test_generate_cuda_graphs_park_stopped_rows(fops, monkeypatch, rule):
 
     import fsd_ext
 
-    generate_module = importlib.import_module("fsd_ext.generate")
+    generate_module = importlib.import_module("fsd_ext.decoding.model")
     eager_sizes, captured = [], []  # batch size of every eager forward / of every capture
-    from fsd_ext import cuda_graphs
+    from fsd_ext.decoding import cuda_graphs
 
-    real_forward, real_init = generate_module._CachedModel._forward, cuda_graphs.CapturedForward.__init__
+    real_forward, real_init = generate_module.CachedModel._forward, cuda_graphs.CapturedForward.__init__
 
     def counting_forward(self, input_ids, keep):
         if not self.use_graphs:
@@ -354,7 +354,7 @@ def test_generate_cuda_graphs_park_stopped_rows(fops, monkeypatch, rule):
         captured.append(input_ids.shape[0])
         real_init(self, forward, input_ids, keep, pool)
 
-    monkeypatch.setattr(generate_module._CachedModel, "_forward", counting_forward)
+    monkeypatch.setattr(generate_module.CachedModel, "_forward", counting_forward)
     monkeypatch.setattr(cuda_graphs.CapturedForward, "__init__", counting_init)
     target, draft = tiny_cuda_llama(0, 2), tiny_cuda_llama(1, 1)
     ids, mask = left_padded_prompts([4, 11, 1, 7, 9, 3], seed=4)
@@ -375,7 +375,7 @@ def test_generate_cuda_graphs_reused_by_the_next_call(fops, monkeypatch):
     """A second call that fits replays the first call's graphs (real ones): no capture, the same
     tokens as eager; fewer rows replay the graphs captured for the smaller sizes."""
     import fsd_ext
-    from fsd_ext import cuda_graphs
+    from fsd_ext.decoding import cuda_graphs
 
     captured = []
     real_init = cuda_graphs.CapturedForward.__init__

@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import fsd_ext
-from fsd_ext import cuda_graphs
+from fsd_ext.decoding import cuda_graphs
 from fsd_ext.decoding.draft_length import acceptance_draft_length, heuristic_draft_length
 from fsd_ext.decoding.draft_length import update_acceptance as _update_acceptance
 from fsd_ext.generate import check_tokenizers
@@ -156,7 +156,7 @@ def test_sd_rejected_count_with_sampling_replays_the_kernels_coins(target, draft
     more than i drafts."""
     import importlib
 
-    generate_module = importlib.import_module("fsd_ext.generate")
+    generate_module = importlib.import_module("fsd_ext.decoding.loop")
     steps = []  # per verification step: [accept args, accept kwargs, result, sd_rejects]
     real_accept, real_rejects = generate_module._accept, generate_module._sd_rejects
 
@@ -407,13 +407,13 @@ def generate_graph_shaped(monkeypatch, target, draft, ids, mask, replay=None, re
     """generate() down its CUDA-graph path on the CPU: use_graphs forced on, ReplayByCall (or a
     subclass, `replay`) standing in for the captures (ReplayByCall.made lists them), from no kept
     graph state unless `reuse`."""
-    gen = importlib.import_module("fsd_ext.generate")  # the module (fsd_ext.generate is the function)
+    gen = importlib.import_module("fsd_ext.decoding.model")
     if not reuse:
         cuda_graphs.release_cuda_graphs()
     ReplayByCall.made = []
     monkeypatch.setattr(cuda_graphs, "CapturedForward", replay or ReplayByCall)
-    init = gen._CachedModel.__init__
-    monkeypatch.setattr(gen._CachedModel, "__init__",
+    init = gen.CachedModel.__init__
+    monkeypatch.setattr(gen.CachedModel, "__init__",
                         lambda self, model, pad, capacity, use_graphs, **role: init(self, model, pad, capacity,
                                                                                   True, **role))
     return fsd_ext.generate(target, draft, ids, mask, **kwargs)
@@ -442,7 +442,7 @@ def test_graph_shaped_path_matches_eager_on_cpu(target, draft, monkeypatch, rule
 def test_forward_clock_on_cuda_reads_events_once(monkeypatch):
     """On CUDA a forward records two events and waits for nothing; the total reads them all once
     (after waiting for the last). Here with stand-in events on the host clock."""
-    gen = importlib.import_module("fsd_ext.generate")
+    gen = importlib.import_module("fsd_ext.decoding.model")
 
     class FakeEvent:
         waited = 0
@@ -460,7 +460,7 @@ def test_forward_clock_on_cuda_reads_events_once(monkeypatch):
             return (end.at - self.at) * 1e3
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    clock = gen._ForwardClock(cuda=True)
+    clock = gen.ForwardClock(cuda=True)
     for _ in range(3):
         started = clock.start()
         time.sleep(0.02)
@@ -501,7 +501,7 @@ def test_graph_path_parks_stopped_rows_until_a_power_of_two(target, draft, monke
     captured for the first batch size and powers of two only. Tokens and counts must equal the
     eager run (which drops every stopped row at once), and no forward may write past the cache
     (a row parked at max_new_tokens whose length kept growing would)."""
-    gen = importlib.import_module("fsd_ext.generate")
+    gen = importlib.import_module("fsd_ext.decoding.model")
     by_eos = stop == "eos"
     lengths = [5, 12, 2, 7, 9, 3] if by_eos else [5, 12, 2, 7, 9, 3, 4, 8]
     ids, mask = random_prompts(lengths, seed=41)
@@ -509,7 +509,7 @@ def test_graph_path_parks_stopped_rows_until_a_power_of_two(target, draft, monke
                   max_new_tokens=30 if by_eos else 13, seed=torch.arange(len(lengths)),
                   eos_token_id=list(range(3, VOCAB, 9)) if by_eos else [],
                   output_divergences=rule != "ar")
-    forward = gen._CachedModel._forward
+    forward = gen.CachedModel._forward
     shapes, overshoot = [], []  # per forward: (batch, tokens); slots past the capacity written
 
     def spy(self, input_ids, keep):
@@ -517,7 +517,7 @@ def test_graph_path_parks_stopped_rows_until_a_power_of_two(target, draft, monke
         overshoot.append(int(self.cache.lengths.max()) + input_ids.shape[1] - self.cache.capacity)
         return forward(self, input_ids, keep)
 
-    monkeypatch.setattr(gen._CachedModel, "_forward", spy)
+    monkeypatch.setattr(gen.CachedModel, "_forward", spy)
     eager = fsd_ext.generate(target, draft, ids, mask, **kwargs)
     eager_shapes = list(shapes)
     allowed = {len(lengths), 4, 2, 1}
@@ -587,7 +587,7 @@ def test_graph_state_is_reused_by_later_calls(target, draft, monkeypatch):
     finally:
         handle.remove()
     assert again is not state and made
-    gen = importlib.import_module("fsd_ext.generate")
+    gen = importlib.import_module("fsd_ext.decoding.loop")
 
     def fail(self):
         raise RuntimeError("fails mid-call")
@@ -635,13 +635,13 @@ def test_graph_path_with_the_same_model_as_target_and_draft(target, monkeypatch)
 
 
 def forward_under_fake_tensors(model, use_graphs, num_tokens, keep):
-    """One decode forward of `model` through _CachedModel._forward, after a real prefill, run under
+    """One decode forward of `model` through CachedModel._forward, after a real prefill, run under
     FakeTensorMode: any data-dependent host operation (.item(), int(tensor), a branch on a tensor:
     a host synchronisation, which CUDA graph capture rejects) raises DataDependentOutputException."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    gen = importlib.import_module("fsd_ext.generate")
-    cached = gen._CachedModel(model, pad=torch.tensor([0, 3]), capacity=24, use_graphs=use_graphs)
+    gen = importlib.import_module("fsd_ext.decoding.model")
+    cached = gen.CachedModel(model, pad=torch.tensor([0, 3]), capacity=24, use_graphs=use_graphs)
     with torch.no_grad():
         cached(torch.randint(3, VOCAB, (2, 6)), keep=1, prefill=True)  # allocates the cache
         cached.cache.lengths += 6
@@ -776,7 +776,7 @@ def cache_bytes(cache) -> int:
 
 def record_caches(monkeypatch) -> list:
     """Every StaticKVCache that generate() makes off the graph path from now on (a list that fills)."""
-    gen = importlib.import_module("fsd_ext.generate")
+    gen = importlib.import_module("fsd_ext.decoding.model")
     made = []
 
     class Recorded(gen.StaticKVCache):
@@ -816,7 +816,7 @@ def test_cache_memory_follows_the_answer_not_max_new_tokens(monkeypatch, rule):
 def test_cache_growth_keeps_the_entries_and_moves_every_view():
     """grow() copies each layer's slots into larger zeroed buffers; the live rows' views (keys,
     values, layer_buffers, what update returns) all move with them."""
-    from fsd_ext.kv_cache import StaticKVCache
+    from fsd_ext.decoding.kv_cache import StaticKVCache
 
     cache = StaticKVCache(torch.tensor([0, 2, 1]), capacity=4)
     for layer in range(2):  # a 3-token prefill allocates both layers
@@ -842,15 +842,15 @@ def test_cache_growth_keeps_the_entries_and_moves_every_view():
 
 
 def test_capacity_doubles_and_stops_at_what_the_call_can_need():
-    from fsd_ext.kv_cache import capacity_for
+    from fsd_ext.decoding.kv_cache import capacity_for
 
     assert [capacity_for(slots, 10**6) for slots in (1, 256, 257, 600, 5000)] == [256, 256, 512, 1024, 8192]
     assert capacity_for(600, 700) == 768  # the most a call can need, rounded up to 256
     assert capacity_for(900, 700) == 1024  # never less than asked
-    gen = importlib.import_module("fsd_ext.generate")
+    gen = importlib.import_module("fsd_ext.decoding.model")
     ids = torch.tensor([0])
-    assert gen._CachedModel(tiny_llama(0, layers=1), ids, 600, use_graphs=False).cache.capacity == 768  # all
-    assert gen._CachedModel(tiny_llama(0, layers=1), ids, 600, use_graphs=False, slots=20).cache.capacity == 256
+    assert gen.CachedModel(tiny_llama(0, layers=1), ids, 600, use_graphs=False).cache.capacity == 768  # all
+    assert gen.CachedModel(tiny_llama(0, layers=1), ids, 600, use_graphs=False, slots=20).cache.capacity == 256
 
 
 @pytest.mark.parametrize("rule,temperature", [("ar", 0.0), ("greedy", 0.0), ("sd", 1.0), ("fsd", 0.8)])
@@ -859,7 +859,7 @@ def test_tokens_do_not_change_when_the_cache_grows(target, draft, monkeypatch, r
     call can need), eager and down the graph path, whose graphs are captured again after each
     growth (ReplayByCall checks that no replay reads a moved tensor): the tokens equal a call whose
     caches never grow."""
-    from fsd_ext import kv_cache
+    from fsd_ext.decoding import kv_cache
 
     ids, mask = random_prompts([3, 11, 1, 6], seed=51)
     kwargs = dict(rule=rule, temperature=temperature, threshold=0.3, num_draft_tokens=3,

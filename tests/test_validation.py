@@ -133,12 +133,12 @@ def draft():
 @pytest.fixture
 def no_forward(monkeypatch):
     """Any model forward fails the test: a refusal must come before the prompts' forwards."""
-    generate_module = importlib.import_module("fsd_ext.generate")
+    generate_module = importlib.import_module("fsd_ext.decoding.model")
 
     def forward(*args, **kwargs):
         raise AssertionError("a model ran before the arguments were checked")
 
-    monkeypatch.setattr(generate_module._CachedModel, "_forward", forward)
+    monkeypatch.setattr(generate_module.CachedModel, "_forward", forward)
 
 
 @pytest.mark.parametrize("kwargs,match", [

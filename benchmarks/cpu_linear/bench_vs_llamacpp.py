@@ -37,7 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from fsd_ext import models  # noqa: E402
 from fsd_ext.bench import humaneval  # noqa: E402
-from fsd_ext.generate import _CachedModel, generate  # noqa: E402
+from fsd_ext.decoding.loop import generate  # noqa: E402
+from fsd_ext.decoding.model import CachedModel  # noqa: E402
 
 
 def read_bandwidth(gigabytes: float = 1.0, repeats: int = 5) -> float:
@@ -62,7 +63,7 @@ class FsdEngine:
 
     def prefilled(self, ids: torch.Tensor):
         """(the model with `ids` read into a fresh cache, seconds that took)."""
-        cached = _CachedModel(self.model, self.pad, ids.shape[1] + 64, use_graphs=False)
+        cached = CachedModel(self.model, self.pad, ids.shape[1] + 64, use_graphs=False)
         start = time.perf_counter()
         cached(ids, 1, prefill=True)
         seconds = time.perf_counter() - start

@@ -145,7 +145,7 @@ class HFBackend(Backend):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.max_new_tokens = max_new_tokens
         if generate_fn is None:
-            from ..generate import generate as generate_fn
+            from ..decoding.loop import generate as generate_fn
         self.generate_fn = generate_fn
         self.chat = humaneval.has_chat_template(tokenizer) if use_chat is None else use_chat
         self.check_sd = check_sd

@@ -10,7 +10,7 @@ import os
 from collections import defaultdict
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
-from ..generate import seconds_per_decode_forward
+from ..decoding.stats import seconds_per_decode_forward
 from .grid import Config
 
 SUMMARY_FIELDS = (

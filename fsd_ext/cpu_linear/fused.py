@@ -12,7 +12,7 @@ replaces, on each module instance:
 - RMSNorm's forward: F.rms_norm (one op; the same bits as the module's seven).
 
 - the decoder layer's forward, where all of the above are patched and the cache hands out its
-  buffers (fsd_ext.kv_cache.StaticKVCache.layer_buffers: fsd_ext.generate's decoding steps): the
+  buffers (fsd_ext.decoding.kv_cache.StaticKVCache.layer_buffers: the decoding loop's steps): the
   whole layer in one op, decoder_layer (csrc/cpu_linear/torch_int8.cpp), with no Python between its
   steps and its own RMSNorm and attention loops (csrc/cpu_linear/decode_ops.h: a token's result is
   the same among a verification's tokens as alone, which exact greedy SD relies on). Other caches

@@ -130,11 +130,11 @@ def test_fused_layers_give_the_models_own_results(tmp_path, arch):
     with torch.no_grad():
         assert torch.equal(fused(ids).logits, plain(ids).logits)  # the modules (transformers' own cache)
         # decoding steps through decoder_layer, on fsd_ext's cache, against the plain model
-        from fsd_ext.generate import _CachedModel
+        from fsd_ext.decoding.model import CachedModel
         pad = torch.tensor([0, 2])
         logits = {}
         for name, model in (("plain", plain), ("fused", fused)):
-            cached = _CachedModel(model, pad, 32, use_graphs=False)
+            cached = CachedModel(model, pad, 32, use_graphs=False)
             cached(ids, 1, prefill=True)
             cached.cache.lengths += ids.shape[1]
             logits[name] = cached(ids[:, :6], 6)
@@ -157,7 +157,8 @@ def test_fused_layers_read_the_cache_after_it_grows(tmp_path, monkeypatch):
     """decoder_layer writes and reads the buffers that layer_buffers hands out: after the caches
     grow mid-decode (here from 16 to 28 slots, 4-slot steps) it must use the new ones, giving the
     tokens of a call whose caches never grow."""
-    from fsd_ext import generate, kv_cache
+    from fsd_ext import generate
+    from fsd_ext.decoding import kv_cache
 
     fused, draft = int8_model("qwen2", tmp_path), int8_model("qwen2", tmp_path, seed=1)
     fuse_decoder_layers(fused)

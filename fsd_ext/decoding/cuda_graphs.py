@@ -16,7 +16,7 @@ of a short call; so each model keeps its static KV cache and the graphs captured
   half of it (the graphs' attention reads the whole cache).
 
 Otherwise the call builds a new state that replaces the old one. A call's cache starts with what
-its prompt and first step need and grows as it produces tokens (fsd_ext.kv_cache.capacity_for:
+its prompt and first step need and grows as it produces tokens (kv_cache.capacity_for:
 256 x 2^i slots); a growth moves the cache's buffers, so it drops the state's graphs, and each
 shape is captured again at the new capacity (log2 of the growth times per call, at most).
 A model keeps one state per role (target, draft: one model may serve as both). A state serves one

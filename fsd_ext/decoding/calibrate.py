@@ -1,0 +1,266 @@
+"""Threshold calibration: the largest FSD threshold T whose output stays within a budget of exact SD.
+
+FSD departs from SD only where it accepts a draft that SD would have rejected: under greedy decoding
+an accepted draft that is not the target's argmax, under sampling one whose step coin fails SD's
+test u q(d) <= p(d) (generate's stats.sd_rejected_accepted; docs/generate.md). calibrate() decodes
+a set of prompts one by one at rising thresholds and keeps the largest T whose share of such drafts
+among all accepted drafts, pooled over the prompts, is at most max_deviation.
+
+The search assumes only that the share tends to grow with T: candidates are tried in ascending
+order, the first one over budget ends the grid walk, and `refine_steps` bisections then narrow the
+bracket between the last candidate within budget and that first one over it. The answer is always
+a threshold that was measured within budget (or 0, which is SD itself for rule "fsd"), whatever the
+measurements do; a share that is not monotone in T may hide a larger threshold that would pass.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from .loop import generate
+from ..types import DIVERGENCES
+
+# Default candidates per divergence: doubling grids inside each divergence's range (js <= ln 2,
+# tv <= 1; kl, rkl and mkl are unbounded: up to 6.4 nats).
+CALIBRATION_GRID: Dict[str, tuple] = {
+    "js": (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64),
+    "tv": (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.0),
+    "kl": (0.0125, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4),
+    "rkl": (0.0125, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4),
+    "mkl": (0.0125, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4),
+}
+CALIBRATE_RULES = ("fsd", "fsd_strict")
+# generate() arguments that calibrate sets itself.
+_OWN_ARGS = ("threshold", "output_divergences", "input_ids", "attention_mask")
+
+
+@dataclass
+class CalibrationPoint:
+    """The calibration prompts decoded at one threshold, their statistics pooled."""
+
+    threshold: float
+    accepted_drafts: int
+    sd_rejected_accepted: int  # accepted drafts SD would have rejected
+    share: float  # sd_rejected_accepted / accepted_drafts (0 when nothing was accepted)
+    new_tokens: int
+    target_calls: int  # target forwards, prefill included
+    tokens_per_target_call: float  # new tokens per verification (row-step), as GenerateStats
+    seconds: float  # generate's own time, without the SD-rejection replay
+    refined: bool = False  # a bisection point, not a grid candidate
+
+
+@dataclass
+class Calibration:
+    """calibrate()'s answer: `threshold` and the share `deviation` measured at it (0 at T = 0,
+    unless 0 is a candidate), the search's settings, and every point it measured, in order."""
+
+    threshold: float
+    deviation: float
+    max_deviation: float
+    divergence: str
+    rule: str
+    temperature: float
+    num_prompts: int
+    points: List[CalibrationPoint] = field(default_factory=list)
+
+    def summary(self) -> str:
+        """The measured points as a table, then the chosen threshold."""
+        head = (f"{self.rule} {self.divergence}, "
+                f"{'greedy' if self.temperature == 0 else f'temperature {self.temperature:g}'}, "
+                f"{self.num_prompts} prompts")
+        return (head + "\n" + format_points(self.points, self.max_deviation) + "\n"
+                + f"max deviation {self.max_deviation:.2%}: T = {self.threshold:.6g} "
+                  f"(measured {self.deviation:.2%})")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def format_points(points: Sequence[CalibrationPoint], max_deviation: Optional[float] = None) -> str:
+    """A table of measured points, ascending in T; with max_deviation, whether each is within it."""
+    lines = [f"{'T':>9} {'accepted':>9} {'SD-rejected':>12} {'share':>8} {'tokens':>7} "
+             f"{'target calls':>13} {'tokens/call':>12} {'seconds':>8}"
+             + ("  budget" if max_deviation is not None else "")]
+    for p in sorted(points, key=lambda p: p.threshold):
+        mark = "" if max_deviation is None else ("  within" if p.share <= max_deviation else "  over")
+        lines.append(f"{p.threshold:>9.6g} {p.accepted_drafts:>9} {p.sd_rejected_accepted:>12} "
+                     f"{p.share:>8.2%} {p.new_tokens:>7} {p.target_calls:>13} "
+                     f"{p.tokens_per_target_call:>12.2f} {p.seconds:>8.2f}"
+                     + mark + (" (refined)" if p.refined else ""))
+    return "\n".join(lines)
+
+
+def _measure(target, draft, prompts: List[torch.Tensor], threshold: float, seed: int,
+             generate_kwargs: dict) -> CalibrationPoint:
+    """Decode every prompt at `threshold` (prompt i with seed + i, the same at every threshold) and
+    pool the counts."""
+    accepted = rejected = new_tokens = target_calls = verifications = 0
+    seconds = 0.0
+    for index, input_ids in enumerate(prompts):
+        stats = generate(target, draft, input_ids, threshold=threshold, seed=seed + index,
+                         **generate_kwargs).stats
+        if stats.sd_rejected_accepted is None:  # generate counts them for these settings
+            raise RuntimeError("generate did not count the drafts SD would have rejected")
+        accepted += stats.accepted_drafts
+        rejected += stats.sd_rejected_accepted
+        new_tokens += stats.new_tokens
+        target_calls += stats.target_forwards
+        verifications += stats.verifications
+        seconds += stats.seconds
+    return CalibrationPoint(threshold=threshold, accepted_drafts=accepted,
+                            sd_rejected_accepted=rejected,
+                            share=rejected / accepted if accepted else 0.0,
+                            new_tokens=new_tokens, target_calls=target_calls,
+                            tokens_per_target_call=new_tokens / verifications if verifications else 0.0,
+                            seconds=seconds)
+
+
+def _search(measure: Callable[[float, bool], CalibrationPoint], grid: Sequence[float], budget: float,
+            refine_steps: int) -> tuple:
+    """-> (threshold, deviation, points in the order measured) for one budget."""
+    points, low, low_share, high = [], None, 0.0, None
+    for threshold in grid:
+        point = measure(threshold, False)
+        points.append(point)
+        if point.share > budget:
+            high = threshold
+            break
+        low, low_share = threshold, point.share
+    if low is not None and high is not None:
+        for _ in range(refine_steps):
+            point = measure((low + high) / 2, True)
+            points.append(point)
+            if point.share <= budget:
+                low, low_share = point.threshold, point.share
+            else:
+                high = point.threshold
+    return (0.0, 0.0, points) if low is None else (low, low_share, points)
+
+
+def _prompt_tensor(prompt, index: int, device) -> torch.Tensor:
+    """One prompt (a 1-D int tensor or a list of ints) -> [1, P] int64 on `device`."""
+    if isinstance(prompt, torch.Tensor):
+        ok = prompt.dim() == 1 and not prompt.is_floating_point() and not prompt.is_complex() \
+            and prompt.dtype != torch.bool
+    else:
+        ok = isinstance(prompt, Sequence) and not isinstance(prompt, str) and all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt)
+    if not ok or len(prompt) == 0:
+        raise ValueError(f"prompts[{index}] must be a non-empty 1-D sequence of token ids (a 1-D int "
+                         f"tensor or a list of ints), got {prompt!r:.80}")
+    return torch.as_tensor(prompt, dtype=torch.int64).reshape(1, -1).to(device)
+
+
+def _check_fraction(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"{name} must be a float in [0, 1], got {value!r}")
+    return float(value)
+
+
+def check_calibrate_options(*, rule, divergence, max_deviation, thresholds, temperature,
+                            refine_steps, seed):
+    """calibrate()'s own options (no model needed; the command line checks them before loading)
+    -> (budgets, sorted threshold grid); raises ValueError."""
+    if rule not in CALIBRATE_RULES:
+        raise ValueError(f"rule must be one of {CALIBRATE_RULES}, got {rule!r}")
+    if divergence not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    several = isinstance(max_deviation, Sequence) and not isinstance(max_deviation, str)
+    budgets = list(max_deviation) if several else [max_deviation]
+    if not budgets:
+        raise ValueError("max_deviation must be a float in [0, 1] or a non-empty list of them")
+    budgets = [_check_fraction(b, "max_deviation") for b in budgets]
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) \
+            or not 0.0 <= temperature < math.inf:
+        raise ValueError(f"temperature must be a finite float >= 0, got {temperature!r}")
+    if isinstance(refine_steps, bool) or not isinstance(refine_steps, numbers.Integral) \
+            or refine_steps < 0:
+        raise ValueError(f"refine_steps must be an int >= 0, got {refine_steps!r}")
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    grid = CALIBRATION_GRID[divergence] if thresholds is None else list(thresholds)
+    if not grid or any(isinstance(t, bool) or not isinstance(t, numbers.Real)
+                       or not 0.0 <= t < math.inf for t in grid):
+        raise ValueError(f"thresholds must be a non-empty list of finite floats >= 0, got {thresholds!r}")
+    grid = sorted({float(t) for t in grid})
+    return budgets, grid
+
+
+def calibrate(target, draft, prompts, *, divergence: str = "js",
+              max_deviation: Union[float, Sequence[float]] = 0.02, rule: str = "fsd",
+              thresholds: Optional[Sequence[float]] = None, temperature: float = 0.0,
+              num_draft_tokens: int = 5, max_new_tokens: int = 128, refine_steps: int = 2,
+              seed: int = 0, on_point: Optional[Callable[[CalibrationPoint], None]] = None,
+              **generate_kwargs) -> Union[Calibration, List[Calibration]]:
+    """The largest threshold T whose share of accepted drafts that exact SD would have rejected,
+    pooled over `prompts`, is at most `max_deviation`.
+
+    Each prompt is decoded alone (batch 1) with fsd_ext.generate at each threshold tried. The
+    candidates (`thresholds`, default CALIBRATION_GRID[divergence]) are tried in ascending order up
+    to the first whose share is over budget; then `refine_steps` bisections between the last one
+    within budget and that one. This assumes the share grows with T and nothing more: the answer is
+    always a threshold measured within budget, or 0.0 when no candidate is (for rule "fsd" T = 0 is
+    exactly SD, with share 0; for "fsd_strict" it accepts only drafts whose divergence is 0). Cost:
+    up to (candidates tried + refine_steps) x len(prompts) decodes.
+
+    Under greedy decoding (temperature 0) the count is exact and free. Under sampling generate
+    replays each step's coins (output_divergences=True, timed apart), and prompt i uses the seed
+    seed + i at every threshold (common random numbers), so the candidates differ by T alone.
+
+    Args:
+        target, draft: Hugging Face causal LMs sharing a tokenizer, as for fsd_ext.generate.
+        prompts: non-empty list of 1-D token-id sequences (int tensors or lists of ints), unpadded.
+        divergence: one of fsd_ext.DIVERGENCES. rule: "fsd" (default) or "fsd_strict".
+        max_deviation: the budget, a float in [0, 1]; or a list of them, one search each sharing
+            the decodes of the thresholds they have in common, which returns a list.
+        thresholds: candidates (floats >= 0, finite) instead of the default grid.
+        temperature, num_draft_tokens, max_new_tokens, seed: as in fsd_ext.generate.
+        refine_steps: bisections after the grid walk (int >= 0).
+        on_point: called with each CalibrationPoint as it is measured (progress).
+        **generate_kwargs: passed on to fsd_ext.generate (eos_token_id, top_p, div_temperature, ...).
+
+    Returns:
+        Calibration (threshold, deviation, points, settings; summary(), to_dict()).
+
+    Example:
+        >>> cal = fsd_ext.calibrate(target, draft, [tokenizer.encode(p) for p in texts],
+        ...                         divergence="js", max_deviation=0.02, eos_token_id=eos)
+        >>> print(cal.summary()); cal.threshold
+    """
+    budgets, grid = check_calibrate_options(
+        rule=rule, divergence=divergence, max_deviation=max_deviation, thresholds=thresholds,
+        temperature=temperature, refine_steps=refine_steps, seed=seed)
+    several = isinstance(max_deviation, Sequence) and not isinstance(max_deviation, str)
+    reserved = sorted(set(generate_kwargs) & set(_OWN_ARGS))
+    if reserved:
+        raise ValueError(f"calibrate sets {', '.join(reserved)} itself: do not pass them")
+    if isinstance(prompts, (torch.Tensor, str)) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a non-empty list of 1-D token-id sequences")
+    device = next(target.parameters()).device
+    prompts = [_prompt_tensor(p, i, device) for i, p in enumerate(prompts)]
+
+    generate_kwargs.update(rule=rule, divergence=divergence, temperature=float(temperature),
+                           num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens,
+                           output_divergences=temperature > 0)  # sampling: count SD's rejections
+    measured: Dict[float, CalibrationPoint] = {}
+
+    def measure(threshold: float, refined: bool) -> CalibrationPoint:
+        if threshold not in measured:
+            measured[threshold] = _measure(target, draft, prompts, threshold, int(seed), generate_kwargs)
+            measured[threshold].refined = refined
+            if on_point is not None:
+                on_point(measured[threshold])
+        return measured[threshold]
+
+    results = []
+    for budget in budgets:
+        threshold, deviation, points = _search(measure, grid, budget, refine_steps)
+        results.append(Calibration(threshold=threshold, deviation=deviation, max_deviation=budget,
+                                   divergence=divergence, rule=rule, temperature=float(temperature),
+                                   num_prompts=len(prompts), points=points))
+    return results if several else results[0]
