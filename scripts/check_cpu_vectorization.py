@@ -62,8 +62,9 @@ def demangle(names):
 
 
 def template_name(function):
-    """`fsd::cpu::(anonymous namespace)::dot_rows<1>(...)` -> `dot_rows`; None outside fsd::cpu."""
-    m = re.match(r"(?:\S+ )?fsd::cpu::(?:\(anonymous namespace\)::)?(\w+)", function)
+    """`fsd::cpu::(anonymous namespace)::dot_rows<1>(...)` -> `dot_rows`; None outside fsd::cpu
+    (the FSD core) and fsd_cpu_linear (the CPU linear kernels)."""
+    m = re.match(r"(?:\S+ )?(?:fsd::cpu|fsd_cpu_linear)::(?:\(anonymous namespace\)::)?(\w+)", function)
     return m.group(1) if m else None
 
 

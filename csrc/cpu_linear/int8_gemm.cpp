@@ -29,10 +29,6 @@
 
 namespace fsd_cpu_linear {
 
-void serial_for(int64_t count, int64_t, const RangeFn& body) {
-  if (count > 0) body(0, count);
-}
-
 namespace {
 
 constexpr int kPassRows = 8;  // rows of x per pass over a tile

@@ -34,13 +34,10 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
+
+#include "cpu_linear/common.h"
 
 namespace fsd_cpu_linear {
-
-using RangeFn = std::function<void(int64_t begin, int64_t end)>;
-using ParallelFor = std::function<void(int64_t count, int64_t grain, const RangeFn& body)>;
-void serial_for(int64_t count, int64_t grain, const RangeFn& body);
 
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kGroupCols = 32;

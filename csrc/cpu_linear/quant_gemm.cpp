@@ -17,11 +17,9 @@
 #include <type_traits>
 
 #include "cpu_linear/skinny_gemm.h"  // avx2_available, bf16_dot_available: the CPU checks of both kernels
-#include "fsd/cpu/vec.h"
 #include "cpu_linear/x86_sums.h"
 
-namespace fsd {
-namespace cpu {
+namespace fsd_cpu_linear {
 namespace {
 
 constexpr int64_t kXChunkBytes = 24 << 10;  // x columns per chunk: half of a 48 KB L1
@@ -418,5 +416,4 @@ void quant_dequantize(const QuantWeights& w, int64_t row_begin, int64_t row_end,
   });
 }
 
-}  // namespace cpu
-}  // namespace fsd
+}  // namespace fsd_cpu_linear

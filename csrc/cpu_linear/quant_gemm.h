@@ -25,10 +25,9 @@
 
 #include <cstdint>
 
-#include "fsd/cpu/kernels.h"
+#include "cpu_linear/common.h"
 
-namespace fsd {
-namespace cpu {
+namespace fsd_cpu_linear {
 
 enum class QuantFormat : int32_t { Q4 = 0, Q8 = 1, Q8G32 = 2 };
 
@@ -93,5 +92,4 @@ void quant_gemm(const QuantGemm& problem, const ParallelFor& parallel_for = seri
 void quant_dequantize(const QuantWeights& w, int64_t row_begin, int64_t row_end, float* out, uint16_t* out_bf16,
                       const ParallelFor& parallel_for = serial_for);
 
-}  // namespace cpu
-}  // namespace fsd
+}  // namespace fsd_cpu_linear

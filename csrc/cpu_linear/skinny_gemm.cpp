@@ -15,11 +15,9 @@
 #include <algorithm>
 #include <vector>
 
-#include "fsd/cpu/vec.h"
 #include "cpu_linear/x86_sums.h"  // FSD_X86_INTRINSICS: GCC on x86-64, else the portable loops alone
 
-namespace fsd {
-namespace cpu {
+namespace fsd_cpu_linear {
 namespace {
 
 constexpr int kOutBlock = 2;   // weight rows sharing each x load
@@ -307,7 +305,7 @@ void out_range_avx2(const SkinnyGemm& g, int64_t begin, int64_t end) {
 // weight rows small enough (~kBlockBytes as float32) to stay in L2 while the groups after the
 // first reread them.
 void out_range(const SkinnyGemm& g, int64_t begin, int64_t end) {
-  const bool bf16 = g.w_dtype == DType::BFloat16;
+  const bool bf16 = g.w_dtype == WeightDType::BFloat16;
 #if FSD_X86_INTRINSICS
   if (bf16 && !g.portable && g.x_bf16 != nullptr && bf16_dot_available()) return out_range_bf16_dot(g, begin, end);
   if (!g.portable && g.x != nullptr && avx2_available()) {
@@ -366,5 +364,4 @@ void skinny_gemm(const SkinnyGemm& g, const ParallelFor& parallel_for) {
   });
 }
 
-}  // namespace cpu
-}  // namespace fsd
+}  // namespace fsd_cpu_linear

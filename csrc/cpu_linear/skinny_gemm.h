@@ -12,10 +12,9 @@
 
 #include <cstdint>
 
-#include "fsd/cpu/kernels.h"
+#include "cpu_linear/common.h"
 
-namespace fsd {
-namespace cpu {
+namespace fsd_cpu_linear {
 
 constexpr int64_t kSkinnyMaxRows = 16;
 
@@ -29,7 +28,7 @@ struct SkinnyGemm {
   const uint16_t* x_bf16 = nullptr;
   const void* w = nullptr;  // [out, in] of w_dtype: row o at w + o * w_stride, elements contiguous
   int64_t w_stride = 0;
-  DType w_dtype = DType::Float32;  // Float32 or BFloat16
+  WeightDType w_dtype = WeightDType::Float32;  // Float32 or BFloat16
   const float* bias = nullptr;  // [out], or nullptr
   float* y = nullptr;  // [rows, out]: row r at y + r * y_stride
   int64_t y_stride = 0;
@@ -45,5 +44,4 @@ bool avx2_available();
 // Parallel over blocks of output features (each thread streams its own part of W).
 void skinny_gemm(const SkinnyGemm& problem, const ParallelFor& parallel_for = serial_for);
 
-}  // namespace cpu
-}  // namespace fsd
+}  // namespace fsd_cpu_linear

@@ -25,7 +25,7 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<at::Tensor>;
 
-void torch_parallel_for(int64_t count, int64_t grain, const fsd::cpu::RangeFn& body) {
+void torch_parallel_for(int64_t count, int64_t grain, const RangeFn& body) {
   at::parallel_for(0, count, grain, [&](int64_t begin, int64_t end) { body(begin, end); });
 }
 
@@ -46,8 +46,8 @@ Tensor skinny_linear_cpu(const Tensor& x, const Tensor& weight, const OptTensor&
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == in, "skinny_linear: x must be [..., ", in,
               "] to match weight [", out, ", ", in, "], got ", x.sizes());
   const int64_t rows = in > 0 ? x.numel() / in : 0;
-  TORCH_CHECK(rows >= 1 && rows <= fsd::cpu::kSkinnyMaxRows, "skinny_linear: x must hold 1 to ",
-              fsd::cpu::kSkinnyMaxRows, " rows of ", in, " (and in >= 1), got ", x.sizes());
+  TORCH_CHECK(rows >= 1 && rows <= kSkinnyMaxRows, "skinny_linear: x must hold 1 to ",
+              kSkinnyMaxRows, " rows of ", in, " (and in >= 1), got ", x.sizes());
   Tensor bias_f;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == dtype && bias->dim() == 1 && bias->size(0) == out,
@@ -57,23 +57,23 @@ Tensor skinny_linear_cpu(const Tensor& x, const Tensor& weight, const OptTensor&
   }
   const Tensor x_stored = x.reshape({rows, in}).contiguous();
   // The AVX512-BF16 path reads bfloat16 x as stored; every other path needs it as float32.
-  const bool bf16_dot = dtype == at::kBFloat16 && fsd::cpu::bf16_dot_available();
+  const bool bf16_dot = dtype == at::kBFloat16 && bf16_dot_available();
   const Tensor x_rows = bf16_dot ? Tensor() : x_stored.to(at::kFloat);
   Tensor y = at::empty({rows, out}, x.options().dtype(at::kFloat));
-  fsd::cpu::SkinnyGemm problem;
+  SkinnyGemm problem;
   problem.x = bf16_dot ? nullptr : x_rows.data_ptr<float>();
   problem.x_stride = in;
   if (dtype == at::kBFloat16) problem.x_bf16 = reinterpret_cast<const uint16_t*>(x_stored.data_ptr());
   problem.w = weight.data_ptr();
   problem.w_stride = weight.stride(0);
-  problem.w_dtype = w_dtype == at::kBFloat16 ? fsd::DType::BFloat16 : fsd::DType::Float32;
+  problem.w_dtype = w_dtype == at::kBFloat16 ? WeightDType::BFloat16 : WeightDType::Float32;
   problem.bias = bias_f.defined() ? bias_f.data_ptr<float>() : nullptr;
   problem.y = y.data_ptr<float>();
   problem.y_stride = out;
   problem.rows = rows;
   problem.in = in;
   problem.out = out;
-  fsd::cpu::skinny_gemm(problem, torch_parallel_for);
+  skinny_gemm(problem, torch_parallel_for);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = out;
   return (dtype == at::kFloat ? y : y.to(dtype)).view(shape);
@@ -83,12 +83,12 @@ Tensor skinny_linear_cpu(const Tensor& x, const Tensor& weight, const OptTensor&
 // codes uint8 [blocks, groups, 64 (Q4, Q8) or 128 (Q8G32)] and params float32 [blocks, groups, 8
 // (Q4) or 4 (Q8, Q8G32)], both contiguous, for a matrix [out_features, groups x group size] with
 // blocks = ceil(out_features / 4).
-fsd::cpu::QuantWeights quant_weights(const char* op, const Tensor& codes, const Tensor& params, int64_t format,
+QuantWeights quant_weights(const char* op, const Tensor& codes, const Tensor& params, int64_t format,
                                      int64_t out_features) {
   TORCH_CHECK(format >= 0 && format <= 2, op, ": format must be 0 (Q4), 1 (Q8) or 2 (Q8G32), got ", format);
-  const auto quant_format = static_cast<fsd::cpu::QuantFormat>(format);
-  const int64_t param_count = fsd::cpu::quant_params_per_group(quant_format);
-  const int64_t code_bytes = fsd::cpu::quant_code_bytes(quant_format);
+  const auto quant_format = static_cast<QuantFormat>(format);
+  const int64_t param_count = quant_params_per_group(quant_format);
+  const int64_t code_bytes = quant_code_bytes(quant_format);
   TORCH_CHECK(codes.device().is_cpu() && params.device().is_cpu(), op, ": codes and params must be CPU tensors");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 3 && codes.size(2) == code_bytes &&
                   codes.is_contiguous(),
@@ -103,7 +103,7 @@ fsd::cpu::QuantWeights quant_weights(const char* op, const Tensor& codes, const 
               out_features);
   TORCH_CHECK(codes.size(1) >= 1, op, ": codes must hold at least one group of columns, got ", codes.sizes());
   return {codes.data_ptr<uint8_t>(), params.data_ptr<float>(), quant_format,
-          codes.size(1) * fsd::cpu::quant_group_size(quant_format), out_features};
+          codes.size(1) * quant_group_size(quant_format), out_features};
 }
 
 // x [..., in] float32 times the repacked weight's transpose (+ bias float32 [out]) for at most
@@ -111,13 +111,13 @@ fsd::cpu::QuantWeights quant_weights(const char* op, const Tensor& codes, const 
 Tensor quant_linear_cpu(const Tensor& x, const Tensor& codes, const Tensor& params, int64_t format,
                         int64_t out_features, const OptTensor& bias) {
   const char* op = "quant_linear";
-  const fsd::cpu::QuantWeights w = quant_weights(op, codes, params, format, out_features);
+  const QuantWeights w = quant_weights(op, codes, params, format, out_features);
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.device().is_cpu(), op, ": x must be a CPU tensor, got ", x.device());
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == w.in, op, ": x must be [..., ", w.in, "] to match the weight [", w.out,
               ", ", w.in, "], got ", x.sizes());
   const int64_t rows = x.numel() / w.in;
-  TORCH_CHECK(rows >= 1 && rows <= fsd::cpu::kQuantMaxRows, op, ": x must hold 1 to ", fsd::cpu::kQuantMaxRows,
+  TORCH_CHECK(rows >= 1 && rows <= kQuantMaxRows, op, ": x must hold 1 to ", kQuantMaxRows,
               " rows of ", w.in, ", got ", x.sizes());
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == w.out && bias->device().is_cpu(),
@@ -126,7 +126,7 @@ Tensor quant_linear_cpu(const Tensor& x, const Tensor& codes, const Tensor& para
   const Tensor x_rows = x.reshape({rows, w.in}).contiguous();
   const Tensor bias_c = bias.has_value() ? bias->contiguous() : Tensor();
   Tensor y = at::empty({rows, w.out}, x.options());
-  fsd::cpu::QuantGemm problem;
+  QuantGemm problem;
   problem.w = w;
   problem.x = x_rows.data_ptr<float>();
   problem.x_stride = w.in;
@@ -134,7 +134,7 @@ Tensor quant_linear_cpu(const Tensor& x, const Tensor& codes, const Tensor& para
   problem.y = y.data_ptr<float>();
   problem.y_stride = w.out;
   problem.rows = rows;
-  fsd::cpu::quant_gemm(problem, torch_parallel_for);
+  quant_gemm(problem, torch_parallel_for);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = w.out;
   return y.view(shape);
@@ -144,13 +144,13 @@ Tensor quant_linear_cpu(const Tensor& x, const Tensor& codes, const Tensor& para
 // dequantises a few blocks of rows at a time for the BLAS).
 Tensor quant_dequantize_cpu(const Tensor& codes, const Tensor& params, int64_t format, int64_t out_features,
                             std::optional<at::ScalarType> dtype) {
-  const fsd::cpu::QuantWeights w = quant_weights("quant_dequantize", codes, params, format, out_features);
+  const QuantWeights w = quant_weights("quant_dequantize", codes, params, format, out_features);
   const at::ScalarType out_dtype = dtype.value_or(at::kFloat);
   TORCH_CHECK(out_dtype == at::kFloat || out_dtype == at::kBFloat16,
               "quant_dequantize: dtype must be float32 or bfloat16, got ", out_dtype);
   Tensor out = at::empty({w.out, w.in}, params.options().dtype(out_dtype));
   const bool bf16 = out_dtype == at::kBFloat16;
-  fsd::cpu::quant_dequantize(w, 0, w.out, bf16 ? nullptr : out.data_ptr<float>(),
+  quant_dequantize(w, 0, w.out, bf16 ? nullptr : out.data_ptr<float>(),
                              bf16 ? reinterpret_cast<uint16_t*>(out.data_ptr()) : nullptr, torch_parallel_for);
   return out;
 }
@@ -162,15 +162,15 @@ TORCH_LIBRARY(fsd_cpu_linear, m) {
   m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   // Whether skinny_linear's bfloat16 products take the AVX512-BF16 path on this CPU (no tensors:
   // one kernel for every backend).
-  m.def("skinny_linear_bf16_dot() -> bool", [] { return fsd::cpu::bf16_dot_available(); });
+  m.def("skinny_linear_bf16_dot() -> bool", [] { return fsd_cpu_linear::bf16_dot_available(); });
   // Whether skinny_linear takes the AVX2 + FMA path for float32 x on this CPU.
-  m.def("skinny_linear_avx2() -> bool", [] { return fsd::cpu::avx2_available(); });
+  m.def("skinny_linear_avx2() -> bool", [] { return fsd_cpu_linear::avx2_available(); });
   m.def("quant_linear(Tensor x, Tensor codes, Tensor params, int format, int out_features, Tensor? bias) -> Tensor");
   m.def("quant_dequantize(Tensor codes, Tensor params, int format, int out_features, ScalarType? dtype=None) -> Tensor");
   // Which loops quant_linear runs on this CPU: "avx512", "avx2" or "portable".
   m.def("quant_linear_path() -> str", [] {
-    return std::string(fsd::cpu::quant_avx512_available() ? "avx512"
-                       : fsd::cpu::avx2_available() ? "avx2" : "portable");
+    return std::string(fsd_cpu_linear::quant_avx512_available() ? "avx512"
+                       : fsd_cpu_linear::avx2_available() ? "avx2" : "portable");
   });
 }
 

@@ -9,14 +9,13 @@
 #define FSD_X86_INTRINSICS 1
 #include <immintrin.h>
 
-#include "fsd/cpu/vec.h"
+#include "common/simd.h"
 
 // Fully unrolled early, so that GCC keeps the kernels' accumulator arrays in registers (else it
 // stores them to the stack every iteration).
 #define FSD_UNROLL _Pragma("GCC unroll 16")
 
-namespace fsd {
-namespace cpu {
+namespace fsd_cpu_linear {
 namespace x86 {
 
 #pragma GCC push_options
@@ -58,6 +57,5 @@ FSD_ALWAYS_INLINE __m128 sum4_avx2(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 #pragma GCC pop_options
 
 }  // namespace x86
-}  // namespace cpu
-}  // namespace fsd
+}  // namespace fsd_cpu_linear
 #endif
