@@ -38,7 +38,7 @@ venv = sys.argv[1]
 assert fsd_ext.__file__.startswith(venv), f"imported {fsd_ext.__file__}, not the wheel in {venv}"
 assert fsd_ext.__version__ not in ("", "unknown"), fsd_ext.__version__
 import os  # package data, not a package: the folder transformers loads for custom_generate="<path>"
-folder = os.path.join(os.path.dirname(fsd_ext.__file__), "hf_custom_generate")
+folder = os.path.join(os.path.dirname(fsd_ext.__file__), "engines", "hf_custom_generate")
 assert os.path.isfile(os.path.join(folder, "custom_generate", "generate.py")), f"{folder} missing"
 g = torch.Generator().manual_seed(0)
 target = torch.randn(3, 5, 1000, generator=g)

