@@ -20,6 +20,7 @@ from typing import List, Optional
 import torch
 
 from .decoding.draft_length import POLICIES
+from .types import DIVERGENCES, GENERATE_RULES, LENIENT_RULES
 
 DEMO_PROMPTS = [
     "Write a Python function that returns the n-th Fibonacci number iteratively.",
@@ -86,7 +87,7 @@ def _float_or_none(text: str):
 
 
 def _add_sampling_args(parser, temperature: float, threshold: bool = True):
-    parser.add_argument("--divergence", default="js", choices=["kl", "rkl", "js", "tv", "mkl"])
+    parser.add_argument("--divergence", default="js", choices=list(DIVERGENCES))
     if threshold:
         parser.add_argument("--threshold", type=float, default=0.3, help="FSD threshold T")
     parser.add_argument("--num-draft-tokens", type=int, default=5,
@@ -373,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--target", required=True, help=models_help)
     gen.add_argument("--draft", default=None, help=models_help + " (not needed for --rule ar)")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--rule", default="fsd", choices=["ar", "greedy", "sd", "fsd", "fsd_strict"])
+    gen.add_argument("--rule", default="fsd", choices=list(GENERATE_RULES))
     gen.add_argument("--stream", action="store_true", help="print tokens as they come")
     _add_sampling_args(gen, temperature=1.0)
     gen.set_defaults(func=cmd_generate)
@@ -390,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal = sub.add_parser("calibrate", help="the largest threshold within a budget of departures from SD")
     cal.add_argument("--target", default=DEFAULT_TARGET, help=models_help)
     cal.add_argument("--draft", default=DEFAULT_DRAFT, help=models_help)
-    cal.add_argument("--rule", default="fsd", choices=["fsd", "fsd_strict"])
+    cal.add_argument("--rule", default="fsd", choices=list(LENIENT_RULES))
     cal.add_argument("--max-deviation", type=_fractions, action="append",
                      help="budget: the share of accepted drafts SD would have rejected (default "
                           "0.02); several, repeated or comma-separated, each get a search")

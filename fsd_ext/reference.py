@@ -22,7 +22,7 @@ from typing import Optional, Union
 
 import torch
 
-from .types import (DIVERGENCES, PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_SAMPLE, RULES,
+from .types import (DIVERGENCES, LENIENT_RULES, PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_SAMPLE, RULES,
                     AcceptResult)
 
 RESIDUAL_MASS_EPS = 1e-6  # csrc/fsd/common.h: kResidualMassEps
@@ -264,7 +264,7 @@ def accept(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens
     logq = sampling_logprobs(zd, tau, top_k, top_p, min_p)  # [B, K, V_t]
 
     div = None
-    if return_divergence or rule in ("fsd", "fsd_strict"):
+    if return_divergence or rule in LENIENT_RULES:
         if div_temperature is None:
             div_p, div_q = logp[:, :k], logq
         else:

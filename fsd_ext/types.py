@@ -1,15 +1,57 @@
-"""Result types and the names that the public ops accept (shared by the kernels' front end and the
-pure-torch reference, so both speak the same vocabulary)."""
+"""Result types, the tables of rules and divergences that the public ops accept, and the one
+check of a threshold (shared by the kernels' front end, the pure-torch reference, the decoding
+loop, calibration, the engines and the command line, so all speak the same vocabulary)."""
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple, Optional
 
 import torch
 
-# Index = the integer the C++ core uses (csrc/fsd/common.h). Never reorder.
-RULES = ("greedy", "sd", "fsd", "fsd_strict")
-DIVERGENCES = ("kl", "rkl", "js", "tv", "mkl")
+
+class RuleSpec(NamedTuple):
+    name: str
+    lenient: bool  # accepts drafts exact SD rejects, by a divergence under a threshold (calibrate tunes these)
+    summary: str
+
+
+class DivergenceSpec(NamedTuple):
+    name: str
+    summary: str
+
+
+# Index = the integer the C++ core uses (csrc/fsd/common.h). Never reorder. docs/design.md section 2.
+RULE_TABLE = (
+    RuleSpec("greedy", False, "keep d while it is the target's argmax"),
+    RuleSpec("sd", False, "exact speculative sampling: keep d with probability min(1, p(d)/q(d))"),
+    RuleSpec("fsd", True, "keep d if SD would or D(p, q) < T; SD's residual at the first rejection"),
+    RuleSpec("fsd_strict", True, "keep d iff D(p, q) < T; resample from p at the first rejection"),
+)
+DIVERGENCE_TABLE = (
+    DivergenceSpec("kl", "KL(p || q)"),
+    DivergenceSpec("rkl", "KL(q || p)"),
+    DivergenceSpec("js", "Jensen-Shannon, nats, in [0, ln 2]"),
+    DivergenceSpec("tv", "total variation, in [0, 1]"),
+    DivergenceSpec("mkl", "(KL(m || p) + KL(m || q)) / 2, m = (p + q) / 2: the FSD paper's released \"js_div\""),
+)
+RULES = tuple(rule.name for rule in RULE_TABLE)
+LENIENT_RULES = tuple(rule.name for rule in RULE_TABLE if rule.lenient)
+GENERATE_RULES = ("ar",) + RULES  # the decoding loop's: "ar" decodes with the target alone
+DIVERGENCES = tuple(divergence.name for divergence in DIVERGENCE_TABLE)
+
+
+def check_threshold(value, name: str = "threshold", per_row: bool = True) -> None:
+    """Raise ValueError unless `value` is a threshold T: a real >= 0 (inf allowed; NaN and bools
+    refused) or, with per_row, a [B] float tensor of them (read on the host)."""
+    if per_row and isinstance(value, torch.Tensor):
+        # (>= 0).all() rather than (< 0).any(): NaN must fail too
+        if value.dim() != 1 or not value.is_floating_point() or not bool((value >= 0).all()):
+            raise ValueError(f"{name} must be a float >= 0 or a [B] float tensor >= 0 (no NaN)")
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
+        tensor = " or a [B] float tensor" if per_row else ""
+        raise ValueError(f"{name} must be a float >= 0 (inf allowed){tensor}, got {value!r}")
 
 # Random streams (csrc/fsd/common.h: Purpose).
 PURPOSE_ACCEPT = 1

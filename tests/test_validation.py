@@ -101,6 +101,37 @@ def test_fake_accept_shapes_for_good_inputs():
     assert [tuple(t.shape) for t in out] == [(3, 3), (3,), (3,), (3, 2)]
 
 
+def _threshold_entry_points():
+    """Every Python place that takes a threshold from a caller, each given `value`."""
+    from fsd_ext.bench.grid import parse_thresholds
+    from fsd_ext.decoding.calibrate import check_calibrate_options
+    from fsd_ext.decoding.checks import check_options
+    from fsd_ext.engines import vllm as plugin
+
+    calibrate = dict(rule="fsd", divergence="js", max_deviation=0.02, temperature=0.0, refine_steps=0, seed=0)
+    return {
+        "generate": lambda value: check_options(threshold=value),
+        "vllm request": lambda value: plugin.check_threshold(value, "fsd_threshold"),
+        "vllm engine": lambda value: plugin.FsdConfig.from_additional_config({"fsd": {"threshold": value}}),
+        "calibrate": lambda value: check_calibrate_options(thresholds=[0.1, value], **calibrate),
+        "bench": lambda value: parse_thresholds(f"js=0.1,{value}"),
+    }
+
+
+@pytest.mark.parametrize("entry", ["generate", "vllm request", "vllm engine", "calibrate", "bench"])
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, -float("inf")])
+def test_every_threshold_entry_point_refuses_the_same_values(entry, bad):
+    """One check (fsd_ext.types.check_threshold) behind every entry point: NaN, negative."""
+    with pytest.raises(ValueError, match="threshold"):
+        _threshold_entry_points()[entry](bad)
+
+
+@pytest.mark.parametrize("entry", ["generate", "vllm request", "vllm engine", "calibrate", "bench"])
+def test_every_threshold_entry_point_takes_the_same_values(entry):
+    for good in (0.0, 0.3, 7):
+        _threshold_entry_points()[entry](good)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), -1.0])
 def test_bad_threshold_tensor_raises_value_error_like_the_float(bad):
     """A NaN (or negative) value in a [B] threshold tensor raised RuntimeError from the CPU op where

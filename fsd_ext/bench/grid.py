@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..decoding.draft_length import POLICIES
-from ..types import DIVERGENCES
+from ..types import DIVERGENCES, LENIENT_RULES, check_threshold
 
 # Default threshold grids. Ranges: js in [0, ln 2], tv in [0, 1], kl/rkl/mkl unbounded; mkl is the
 # quantity the paper's code calls "js_div", so its grid brackets the paper's 0.4.
@@ -18,7 +18,7 @@ DEFAULT_THRESHOLDS: Dict[str, tuple] = {
     "tv": (0.1, 0.2, 0.3, 0.4, 0.5, 0.7),
     "mkl": (0.1, 0.2, 0.4, 0.6, 0.8, 1.2),
 }
-BENCH_RULES = ("ar", "sd", "fsd", "fsd_strict")
+BENCH_RULES = ("ar", "sd") + LENIENT_RULES  # (greedy is SD at temperature 0 here)
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Config:
     def __post_init__(self):
         if self.rule not in BENCH_RULES:
             raise ValueError(f"rule must be one of {BENCH_RULES}, got {self.rule!r}")
-        fuzzy = self.rule in ("fsd", "fsd_strict")
+        fuzzy = self.rule in LENIENT_RULES
         if fuzzy and (self.divergence not in DIVERGENCES or self.threshold is None):
             raise ValueError(f"rule {self.rule!r} needs a divergence in {DIVERGENCES} and a threshold")
         if not fuzzy and (self.divergence is not None or self.threshold is not None):
@@ -62,7 +62,7 @@ class Config:
     def group(self) -> str:
         """Identifies the configuration with seeds pooled (one summary row)."""
         parts = [self.rule]
-        if self.rule in ("fsd", "fsd_strict"):
+        if self.rule in LENIENT_RULES:
             parts += [self.divergence, f"T={self.threshold:g}"]
             if self.div_temperature != 1.0:
                 parts.append(f"div_t={self.div_temperature}")
@@ -98,7 +98,7 @@ class Config:
             kwargs["draft_length"] = self.draft_length
         if self.top_p is not None:
             kwargs["top_p"] = self.top_p
-        if self.rule in ("fsd", "fsd_strict"):
+        if self.rule in LENIENT_RULES:
             kwargs.update(divergence=self.divergence, threshold=self.threshold,
                           div_temperature=self.div_temperature)
         return kwargs
@@ -128,7 +128,7 @@ def build_grid(rules: Sequence[str] = BENCH_RULES, divergences: Sequence[str] = 
             configs.append(Config("ar", seed=seed, **common))
         if "sd" in rules:
             configs += [Config("sd", seed=seed, draft_length=n, **common) for n in draft_lengths]
-        for rule in ("fsd", "fsd_strict"):
+        for rule in LENIENT_RULES:
             if rule not in rules:
                 continue
             for divergence in divergences:
@@ -144,7 +144,7 @@ def parse_config(spec: str, **common) -> Config:
     (temperature, num_draft_tokens, ...)."""
     parts = [p.strip() for p in spec.split(":")]
     rule, rest = parts[0], parts[1:]
-    fuzzy = rule in ("fsd", "fsd_strict")
+    fuzzy = rule in LENIENT_RULES
     fields: Dict[str, Any] = dict(common)
     try:
         if rest and rest[-1].startswith("K="):
@@ -175,7 +175,7 @@ def parse_thresholds(text: Optional[str]) -> Dict[str, tuple]:
         if name not in DIVERGENCES or not values.strip():
             raise ValueError(f"--thresholds expects 'div=t1,t2;div=...' with div in {DIVERGENCES}, got {part!r}")
         thresholds = tuple(float(v) for v in values.split(",") if v.strip())
-        if any(t < 0 for t in thresholds):
-            raise ValueError(f"thresholds must be >= 0, got {thresholds}")
+        for t in thresholds:
+            check_threshold(t, f"each threshold of {name}", per_row=False)
         out[name] = thresholds
     return out

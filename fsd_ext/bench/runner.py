@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from . import humaneval
+from ..types import LENIENT_RULES
 from .grid import Config
 from .humaneval import PROMPT_VERSION
 from .store import ResultStore, setup_id
@@ -196,7 +197,7 @@ class HFBackend(Backend):
         kwargs.update(max_new_tokens=max_new_tokens or self.max_new_tokens,
                       eos_token_id=self.eos_token_id, use_cuda_graphs=self.use_cuda_graphs)
         check_sd = self.check_sd if check_sd is None else check_sd
-        if check_sd and config.temperature > 0 and config.rule in ("fsd", "fsd_strict"):
+        if check_sd and config.temperature > 0 and config.rule in LENIENT_RULES:
             kwargs["output_divergences"] = True  # generate counts sampled SD rejections (timed apart)
         self._sync()
         start = time.perf_counter()

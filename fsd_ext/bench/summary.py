@@ -11,6 +11,7 @@ from collections import defaultdict
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from ..decoding.stats import seconds_per_decode_forward
+from ..types import LENIENT_RULES
 from .grid import Config
 
 SUMMARY_FIELDS = (
@@ -181,7 +182,7 @@ def target_check(rows: Sequence[Dict[str, Any]], max_pass_drop: float = 0.02,
                         and best_sd.get("same_as_sd") in (None, 1.0))
     floor = max(min_speedup * sd["tokens_per_s"],
                 min_adaptive_speedup * best_sd["tokens_per_s"] if best_sd else 0.0)
-    hits = [r for r in rows if r["rule"] in ("fsd", "fsd_strict")
+    hits = [r for r in rows if r["rule"] in LENIENT_RULES
             and r["pass_at_1"] >= sd["pass_at_1"] - max_pass_drop - 1e-12
             and r["tokens_per_s"] >= floor]
     best = max(hits, key=lambda r: r["tokens_per_s"]) if hits else None

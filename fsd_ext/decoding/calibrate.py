@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from .loop import generate
-from ..types import DIVERGENCES
+from ..types import DIVERGENCES, LENIENT_RULES, check_threshold
 
 # Default candidates per divergence: doubling grids inside each divergence's range (js <= ln 2,
 # tv <= 1; kl, rkl and mkl are unbounded: up to 6.4 nats).
@@ -34,7 +34,7 @@ CALIBRATION_GRID: Dict[str, tuple] = {
     "rkl": (0.0125, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4),
     "mkl": (0.0125, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4),
 }
-CALIBRATE_RULES = ("fsd", "fsd_strict")
+CALIBRATE_RULES = LENIENT_RULES
 # generate() arguments that calibrate sets itself.
 _OWN_ARGS = ("threshold", "output_divergences", "input_ids", "attention_mask")
 
@@ -184,9 +184,12 @@ def check_calibrate_options(*, rule, divergence, max_deviation, thresholds, temp
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"seed must be an int, got {seed!r}")
     grid = CALIBRATION_GRID[divergence] if thresholds is None else list(thresholds)
-    if not grid or any(isinstance(t, bool) or not isinstance(t, numbers.Real)
-                       or not 0.0 <= t < math.inf for t in grid):
-        raise ValueError(f"thresholds must be a non-empty list of finite floats >= 0, got {thresholds!r}")
+    if not grid:
+        raise ValueError("thresholds must be a non-empty list of finite floats >= 0")
+    for t in grid:
+        check_threshold(t, "each of thresholds", per_row=False)
+        if t == math.inf:
+            raise ValueError(f"thresholds must be finite (calibration compares them), got {thresholds!r}")
     grid = sorted({float(t) for t in grid})
     return budgets, grid
 

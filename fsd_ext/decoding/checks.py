@@ -10,15 +10,13 @@ from typing import List, Optional
 import torch
 
 from .. import ops, reference
-from ..types import DIVERGENCES, RULES
+from ..types import DIVERGENCES, GENERATE_RULES, RULES, check_threshold
 from .draft_length import POLICIES
 
 # The ops the loop uses: the compiled kernels, or the pure-torch reference with the same contract
 # when the extension is not built.
 OPS = (ops.accept, ops.sample) if ops._IMPORT_ERROR is None else (reference.accept, reference.sample)
 _dry_run_accept = OPS[0]  # check_options' one-row call: apart from the loop's, which tests spy on
-
-GENERATE_RULES = ("ar",) + RULES
 
 
 def vocab_size(model) -> int:
@@ -93,12 +91,7 @@ def check_options(*, rule: str = "fsd", divergence: str = "js", threshold=0.3,
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature >= 0:
         raise ValueError(f"temperature must be a float >= 0, got {temperature!r}")
-    if isinstance(threshold, torch.Tensor):
-        # (>= 0).all() rather than (< 0).any(): NaN must fail too, as the float form's check does
-        if threshold.dim() != 1 or not threshold.is_floating_point() or not (threshold >= 0).all():
-            raise ValueError("threshold must be a float >= 0 or a [B] float tensor >= 0")
-    elif isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not threshold >= 0:
-        raise ValueError(f"threshold must be a float >= 0, got {threshold!r}")
+    check_threshold(threshold)
     if use_cuda_graphs not in ("auto", True, False):
         raise ValueError(f"use_cuda_graphs must be 'auto', True or False, got {use_cuda_graphs!r}")
     if pad_token_id is not None and not _is_int(pad_token_id):

@@ -18,7 +18,6 @@ trust_remote_code=True`) receives generate's raw arguments, so there `assistant_
 
 from __future__ import annotations
 
-import numbers
 import os
 from typing import Optional
 
@@ -30,9 +29,9 @@ from transformers.generation import logits_process, stopping_criteria as criteri
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..decoding.draft_length import POLICIES
-from ..decoding.checks import GENERATE_RULES, check_pair
+from ..decoding.checks import check_pair
 from ..decoding.loop import generate as fsd_generate
-from ..types import DIVERGENCES
+from ..types import DIVERGENCES, GENERATE_RULES, check_threshold
 
 # Only 5.x was tested (5.25): 4.x is refused rather than run untested.
 if Version(transformers.__version__) < Version("5"):
@@ -121,11 +120,7 @@ def _check_request(model, input_ids, generation_config, stopping_criteria, model
         raise ValueError(f"fsd_rule must be one of {GENERATE_RULES}, got {fsd_rule!r}")
     if fsd_divergence not in DIVERGENCES:
         raise ValueError(f"fsd_divergence must be one of {DIVERGENCES}, got {fsd_divergence!r}")
-    if not isinstance(fsd_threshold, torch.Tensor) and not (
-            isinstance(fsd_threshold, numbers.Real) and not isinstance(fsd_threshold, bool)
-            and fsd_threshold >= 0):
-        raise ValueError(f"fsd_threshold must be a float >= 0 (or a [B] float tensor), "
-                         f"got {fsd_threshold!r}")
+    check_threshold(fsd_threshold, "fsd_threshold")
     if draft_model is None and fsd_rule != "ar":
         raise ValueError(f"fsd_rule={fsd_rule!r} needs a draft model: pass draft_model=<a causal LM "
                          f"sharing the target's tokenizer> (transformers does not hand "

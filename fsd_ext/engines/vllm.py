@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from ..types import DIVERGENCES, RULES
+from ..types import DIVERGENCES, RULES, check_threshold as _check_threshold
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +89,7 @@ def _is_real(value) -> bool:
 
 
 def check_threshold(value, name: str) -> float:
-    if not (_is_real(value) and value >= 0):  # `not >=` also rejects NaN
-        raise ValueError(f"{name} must be a float >= 0 (inf allowed), got {value!r}")
+    _check_threshold(value, name, per_row=False)
     return float(value)
 
 
