@@ -55,24 +55,14 @@ void check_offset_value(const OptTensor& offset_t) {
   TORCH_CHECK_VALUE(offset >= 0, "offset must be >= 0, got ", offset);
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> accept_cpu(
-    const Tensor& target_logits, const Tensor& draft_logits, const Tensor& draft_tokens,
-    const OptTensor& num_draft, const OptTensor& threshold_t, double threshold,
-    const OptTensor& temperature_t, double temperature, const OptTensor& div_temperature_t,
-    double div_temperature, bool div_uses_sampling, const OptTensor& seed_t, int64_t seed,
-    bool seed_per_row, const OptTensor& offset_t, int64_t offset, int64_t rule, int64_t divergence,
-    int64_t top_k, double top_p, double min_p, int64_t div_top_k, bool return_divergence) {
+AcceptResult accept_cpu(const AcceptArgs& args) {
   AcceptOutputs out;
-  const AcceptArgs args{target_logits, draft_logits, draft_tokens, num_draft, threshold_t, threshold,
-                        temperature_t, temperature, div_temperature_t, div_temperature,
-                        div_uses_sampling, seed_t, seed, seed_per_row, offset_t, offset, rule,
-                        divergence, top_k, top_p, min_p, div_top_k, return_divergence};
   const fsd::AcceptProblem problem = make_accept_problem(args, out);
-  check_draft_tokens(draft_tokens, num_draft, problem.draft_vocab);
-  check_row_values(threshold_t, kThresholdArg);
-  check_row_values(temperature_t, kTemperatureArg);
-  if (!div_uses_sampling) check_row_values(div_temperature_t, kDivTemperatureArg);
-  check_offset_value(offset_t);
+  check_draft_tokens(args.draft_tokens, args.num_draft, problem.draft_vocab);
+  check_row_values(args.threshold_t, kThresholdArg);
+  check_row_values(args.temperature_t, kTemperatureArg);
+  if (!args.div_uses_sampling) check_row_values(args.div_temperature_t, kDivTemperatureArg);
+  check_offset_value(args.offset_t);
   fsd::cpu::accept(problem, torch_parallel_for);
   return {out.tokens, out.num_accepted, out.valid, out.divergence};
 }
@@ -130,7 +120,7 @@ TORCH_LIBRARY(fsd_ext, m) {
 }
 
 TORCH_LIBRARY_IMPL(fsd_ext, CPU, m) {
-  m.impl("accept", &fsd_torch::accept_cpu);
+  m.impl("accept", &fsd_torch::accept_op<fsd_torch::accept_cpu>);
   m.impl("divergence", &fsd_torch::divergence_cpu);
   m.impl("sample", &fsd_torch::sample_cpu);
   m.impl("philox_uniforms", &fsd_torch::philox_uniforms_cpu);

@@ -43,20 +43,11 @@ fsd::cuda::LaunchOptions launch_options() {
   return options;
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> accept_cuda(
-    const Tensor& target_logits, const Tensor& draft_logits, const Tensor& draft_tokens,
-    const OptTensor& num_draft, const OptTensor& threshold_t, double threshold,
-    const OptTensor& temperature_t, double temperature, const OptTensor& div_temperature_t,
-    double div_temperature, bool div_uses_sampling, const OptTensor& seed_t, int64_t seed,
-    bool seed_per_row, const OptTensor& offset_t, int64_t offset, int64_t rule, int64_t divergence,
-    int64_t top_k, double top_p, double min_p, int64_t div_top_k, bool return_divergence) {
+AcceptResult accept_cuda(const AcceptArgs& args) {
+  const Tensor& target_logits = args.target_logits;
   check_cuda(target_logits, "target_logits");
   const c10::cuda::CUDAGuard device_guard(target_logits.device());
   AcceptOutputs out;
-  const AcceptArgs args{target_logits, draft_logits, draft_tokens, num_draft, threshold_t, threshold,
-                        temperature_t, temperature, div_temperature_t, div_temperature,
-                        div_uses_sampling, seed_t, seed, seed_per_row, offset_t, offset, rule,
-                        divergence, top_k, top_p, min_p, div_top_k, return_divergence};
   const fsd::AcceptProblem problem = make_accept_problem(args, out);
   TORCH_CHECK(problem.max_draft < (int64_t(1) << 24), "K must be < 2^24, got ", problem.max_draft);
   const fsd::cuda::LaunchOptions options = launch_options();
@@ -119,7 +110,7 @@ Tensor philox_uniforms_cuda(const Tensor& seed, const Tensor& offset, bool seed_
 }  // namespace fsd_torch
 
 TORCH_LIBRARY_IMPL(fsd_ext, CUDA, m) {
-  m.impl("accept", &fsd_torch::accept_cuda);
+  m.impl("accept", &fsd_torch::accept_op<fsd_torch::accept_cuda>);
   m.impl("divergence", &fsd_torch::divergence_cuda);
   m.impl("sample", &fsd_torch::sample_cuda);
   m.impl("philox_uniforms", &fsd_torch::philox_uniforms_cuda);

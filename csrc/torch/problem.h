@@ -129,6 +129,8 @@ struct AcceptOutputs {
   Tensor tokens, num_accepted, valid, divergence;
 };
 
+// The accept op's arguments, in the order of its registered schema (ops.cpp), which stays flat for
+// torch; everything past the binding's entry point (accept_op) sees this struct.
 struct AcceptArgs {
   const Tensor& target_logits;
   const Tensor& draft_logits;
@@ -143,6 +145,25 @@ struct AcceptArgs {
   int64_t rule, divergence, top_k; double top_p, min_p; int64_t div_top_k;
   bool return_divergence;
 };
+
+using AcceptResult = std::tuple<Tensor, Tensor, Tensor, Tensor>;  // tokens, num_accepted, valid, divergence
+
+// The op's implementation for one backend: accept_op<accept_cpu> (ops.cpp) and
+// accept_op<accept_cuda> (ops_cuda.cpp) are what they register, so the flat argument list is
+// written out here alone.
+template <AcceptResult (*Run)(const AcceptArgs&)>
+AcceptResult accept_op(const Tensor& target_logits, const Tensor& draft_logits, const Tensor& draft_tokens,
+                       const OptTensor& num_draft, const OptTensor& threshold_t, double threshold,
+                       const OptTensor& temperature_t, double temperature, const OptTensor& div_temperature_t,
+                       double div_temperature, bool div_uses_sampling, const OptTensor& seed_t, int64_t seed,
+                       bool seed_per_row, const OptTensor& offset_t, int64_t offset, int64_t rule,
+                       int64_t divergence, int64_t top_k, double top_p, double min_p, int64_t div_top_k,
+                       bool return_divergence) {
+  return Run(AcceptArgs{target_logits, draft_logits, draft_tokens, num_draft, threshold_t, threshold,
+                        temperature_t, temperature, div_temperature_t, div_temperature, div_uses_sampling,
+                        seed_t, seed, seed_per_row, offset_t, offset, rule, divergence, top_k, top_p, min_p,
+                        div_top_k, return_divergence});
+}
 
 inline fsd::AcceptProblem make_accept_problem(const AcceptArgs& a, AcceptOutputs& out) {
   const Tensor& target = a.target_logits;
