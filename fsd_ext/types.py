@@ -19,6 +19,8 @@ class RuleSpec(NamedTuple):
 class DivergenceSpec(NamedTuple):
     name: str
     summary: str
+    calibration_grid: tuple  # fsd_ext.calibrate's default candidates: doubling inside the range
+    sweep_grid: tuple  # `fsd-ext bench frontier`'s default thresholds
 
 
 # Index = the integer the C++ core uses (csrc/fsd/common.h). Never reorder. docs/design.md section 2.
@@ -28,12 +30,16 @@ RULE_TABLE = (
     RuleSpec("fsd", True, "keep d if SD would or D(p, q) < T; SD's residual at the first rejection"),
     RuleSpec("fsd_strict", True, "keep d iff D(p, q) < T; resample from p at the first rejection"),
 )
+_UNBOUNDED_GRID = (0.0125, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4)  # up to 6.4 nats
 DIVERGENCE_TABLE = (
-    DivergenceSpec("kl", "KL(p || q)"),
-    DivergenceSpec("rkl", "KL(q || p)"),
-    DivergenceSpec("js", "Jensen-Shannon, nats, in [0, ln 2]"),
-    DivergenceSpec("tv", "total variation, in [0, 1]"),
-    DivergenceSpec("mkl", "(KL(m || p) + KL(m || q)) / 2, m = (p + q) / 2: the FSD paper's released \"js_div\""),
+    DivergenceSpec("kl", "KL(p || q)", _UNBOUNDED_GRID, (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)),
+    DivergenceSpec("rkl", "KL(q || p)", _UNBOUNDED_GRID, (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)),
+    DivergenceSpec("js", "Jensen-Shannon, nats, in [0, ln 2]", (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64),
+                   (0.05, 0.1, 0.2, 0.3, 0.4, 0.5)),
+    DivergenceSpec("tv", "total variation, in [0, 1]", (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.0),
+                   (0.1, 0.2, 0.3, 0.4, 0.5, 0.7)),
+    DivergenceSpec("mkl", "(KL(m || p) + KL(m || q)) / 2, m = (p + q) / 2: the FSD paper's released \"js_div\"",
+                   _UNBOUNDED_GRID, (0.1, 0.2, 0.4, 0.6, 0.8, 1.2)),
 )
 RULES = tuple(rule.name for rule in RULE_TABLE)
 LENIENT_RULES = tuple(rule.name for rule in RULE_TABLE if rule.lenient)

@@ -8,6 +8,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #if defined(__CUDACC__) || defined(__HIPCC__)
 #define FSD_HOST_DEVICE __host__ __device__
@@ -22,9 +23,28 @@ namespace fsd {
 // Acceptance rules of docs/design.md section 2.5. The numeric values are part of the op ABI (the Python
 // front end passes them as ints), so never renumber.
 enum class Rule : int32_t { Greedy = 0, SD = 1, FSD = 2, FSDStrict = 3 };
+constexpr int32_t kRuleCount = 4;
 
 // Divergences of docs/design.md section 2.4. Same ABI note as Rule.
 enum class Divergence : int32_t { KL = 0, RKL = 1, JS = 2, TV = 3, MKL = 4 };
+constexpr int32_t kDivergenceCount = 5;
+
+// Calls f(std::integral_constant<Divergence, kind>{}) for a runtime divergence kind: the one
+// dispatch of the CPU and CUDA kernels, so that each holds one copy of its per-id loop per kind and
+// one of everything else. A new divergence is a case here and its terms in rules.h.
+#ifdef __CUDACC__
+#pragma nv_exec_check_disable
+#endif
+template <typename F>
+FSD_INLINE void with_divergence(Divergence kind, F&& f) {
+  switch (kind) {
+    case Divergence::KL: f(std::integral_constant<Divergence, Divergence::KL>{}); break;
+    case Divergence::RKL: f(std::integral_constant<Divergence, Divergence::RKL>{}); break;
+    case Divergence::JS: f(std::integral_constant<Divergence, Divergence::JS>{}); break;
+    case Divergence::TV: f(std::integral_constant<Divergence, Divergence::TV>{}); break;
+    case Divergence::MKL: f(std::integral_constant<Divergence, Divergence::MKL>{}); break;
+  }
+}
 
 // Independent random streams (docs/design.md section 3). Part of the RNG keying: never renumber.
 enum class Purpose : uint32_t {

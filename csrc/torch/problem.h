@@ -186,8 +186,9 @@ inline fsd::AcceptProblem make_accept_problem(const AcceptArgs& a, AcceptOutputs
                     "draft_tokens must be [B=", batch, ", K=", k, "], got shape ", tokens.sizes());
   TORCH_CHECK_VALUE(tokens.is_contiguous(), "draft_tokens must be contiguous");
   check_same_device(tokens, target, "draft_tokens");
-  TORCH_CHECK_VALUE(a.rule >= 0 && a.rule <= 3, "rule id must be in [0, 3], got ", a.rule);
-  TORCH_CHECK_VALUE(a.divergence >= 0 && a.divergence <= 4, "divergence id must be in [0, 4], got ", a.divergence);
+  TORCH_CHECK_VALUE(a.rule >= 0 && a.rule < fsd::kRuleCount, "rule id must be in [0, ", fsd::kRuleCount - 1, "], got ", a.rule);
+  TORCH_CHECK_VALUE(a.divergence >= 0 && a.divergence < fsd::kDivergenceCount, "divergence id must be in [0, ",
+                    fsd::kDivergenceCount - 1, "], got ", a.divergence);
   TORCH_CHECK_VALUE(a.div_top_k >= 0, "div_top_k must be >= 1 (or 0 for off), got ", a.div_top_k);
 
   fsd::AcceptProblem p;
@@ -250,7 +251,7 @@ inline fsd::DivergenceProblem make_divergence_problem(const Tensor& target, cons
   TORCH_CHECK_TYPE(draft.scalar_type() == target.scalar_type(), "draft_logits dtype ", draft.scalar_type(),
                    " must match target_logits dtype ", target.scalar_type());
   check_same_device(draft, target, "draft_logits");
-  TORCH_CHECK_VALUE(kind >= 0 && kind <= 4, "kind id must be in [0, 4], got ", kind);
+  TORCH_CHECK_VALUE(kind >= 0 && kind < fsd::kDivergenceCount, "kind id must be in [0, ", fsd::kDivergenceCount - 1, "], got ", kind);
   TORCH_CHECK_VALUE(fsd::div_temperature_in_range(temperature),
                     "temperature must be finite (at most 3.403e+38, float32) and > 0, got ", temperature);
   TORCH_CHECK_VALUE(top_k >= 0, "top_k must be >= 1 (or 0 for off), got ", top_k);

@@ -7,17 +7,11 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..decoding.draft_length import POLICIES
-from ..types import DIVERGENCES, LENIENT_RULES, check_threshold
+from ..types import DIVERGENCE_TABLE, DIVERGENCES, LENIENT_RULES, check_threshold
 
 # Default threshold grids. Ranges: js in [0, ln 2], tv in [0, 1], kl/rkl/mkl unbounded; mkl is the
 # quantity the paper's code calls "js_div", so its grid brackets the paper's 0.4.
-DEFAULT_THRESHOLDS: Dict[str, tuple] = {
-    "js": (0.05, 0.1, 0.2, 0.3, 0.4, 0.5),
-    "rkl": (0.1, 0.25, 0.5, 1.0, 2.0, 4.0),
-    "kl": (0.1, 0.25, 0.5, 1.0, 2.0, 4.0),
-    "tv": (0.1, 0.2, 0.3, 0.4, 0.5, 0.7),
-    "mkl": (0.1, 0.2, 0.4, 0.6, 0.8, 1.2),
-}
+DEFAULT_THRESHOLDS: Dict[str, tuple] = {d.name: d.sweep_grid for d in DIVERGENCE_TABLE}
 BENCH_RULES = ("ar", "sd") + LENIENT_RULES  # (greedy is SD at temperature 0 here)
 
 

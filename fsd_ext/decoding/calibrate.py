@@ -23,17 +23,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from .loop import generate
-from ..types import DIVERGENCES, LENIENT_RULES, check_threshold
+from ..types import DIVERGENCE_TABLE, DIVERGENCES, LENIENT_RULES, check_threshold
 
-# Default candidates per divergence: doubling grids inside each divergence's range (js <= ln 2,
-# tv <= 1; kl, rkl and mkl are unbounded: up to 6.4 nats).
-CALIBRATION_GRID: Dict[str, tuple] = {
-    "js": (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64),
-    "tv": (0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.0),
-    "kl": (0.0125, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4),
-    "rkl": (0.0125, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4),
-    "mkl": (0.0125, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4),
-}
+# Default candidates per divergence (fsd_ext.types.DIVERGENCE_TABLE): doubling grids inside each
+# divergence's range (js <= ln 2, tv <= 1; kl, rkl and mkl are unbounded: up to 6.4 nats).
+CALIBRATION_GRID: Dict[str, tuple] = {d.name: d.calibration_grid for d in DIVERGENCE_TABLE}
 CALIBRATE_RULES = LENIENT_RULES
 # generate() arguments that calibrate sets itself.
 _OWN_ARGS = ("threshold", "output_divergences", "input_ids", "attention_mask")

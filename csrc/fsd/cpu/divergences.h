@@ -197,13 +197,7 @@ float divergence(Divergence kind, const T* zt, int64_t vt, const Dist& p, const 
     return divergence_sum<kKind>(zt, vt, p, zd, vd, q);
   };
   double sum = 0.0;
-  switch (kind) {
-    case Divergence::KL: sum = run(std::integral_constant<Divergence, Divergence::KL>{}); break;
-    case Divergence::RKL: sum = run(std::integral_constant<Divergence, Divergence::RKL>{}); break;
-    case Divergence::JS: sum = run(std::integral_constant<Divergence, Divergence::JS>{}); break;
-    case Divergence::TV: sum = run(std::integral_constant<Divergence, Divergence::TV>{}); break;
-    case Divergence::MKL: sum = run(std::integral_constant<Divergence, Divergence::MKL>{}); break;
-  }
+  with_divergence(kind, [&](auto tag) { sum = run(tag); });
   return (float)finish_divergence(sum);
 }
 

@@ -180,19 +180,6 @@ __device__ __forceinline__ void exact_tiny_rests(const T* __restrict__ target, c
   __syncthreads();  // `sides` and `temp` are reused by the block's next call
 }
 
-// Calls f(std::integral_constant<Divergence, kind>) for a runtime divergence kind, so a kernel
-// holds one copy of the per-id loop per kind but one copy of everything else.
-template <typename F>
-__device__ __forceinline__ void with_divergence(Divergence kind, F&& f) {
-  switch (kind) {
-    case Divergence::KL: f(std::integral_constant<Divergence, Divergence::KL>{}); break;
-    case Divergence::RKL: f(std::integral_constant<Divergence, Divergence::RKL>{}); break;
-    case Divergence::JS: f(std::integral_constant<Divergence, Divergence::JS>{}); break;
-    case Divergence::TV: f(std::integral_constant<Divergence, Divergence::TV>{}); break;
-    case Divergence::MKL: f(std::integral_constant<Divergence, Divergence::MKL>{}); break;
-  }
-}
-
 // The divergence from pass-2 sums (adds the rest bucket when bucketed).
 __device__ __forceinline__ float finish_pass_two(Divergence kind, const PassTwo& sums, bool bucketed) {
   double total = sums.div;
