@@ -4,8 +4,10 @@ loop, calibration, the engines and the command line, so all speak the same vocab
 
 from __future__ import annotations
 
+import math
 import numbers
-from typing import NamedTuple, Optional
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -58,6 +60,35 @@ def check_threshold(value, name: str = "threshold", per_row: bool = True) -> Non
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value >= 0:
         tensor = " or a [B] float tensor" if per_row else ""
         raise ValueError(f"{name} must be a float >= 0 (inf allowed){tensor}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class VerifyOptions:
+    """How a step verifies drafts (docs/design.md sections 2.4-2.5): the rule, the divergence and
+    threshold of its test, and the temperature of the distributions it compares (None: the sampling
+    ones). generate(), calibrate, fsd_ext.hf, the vLLM plug-in, the command line and the harness
+    each build one from what their caller gave, and check() is the one check of it."""
+
+    rule: str = "fsd"
+    divergence: str = "js"
+    threshold: Union[float, torch.Tensor] = 0.3
+    div_temperature: Optional[float] = 1.0
+
+    def check(self, rules: Sequence[str] = GENERATE_RULES, per_row: bool = True,
+              name: Callable[[str], str] = str) -> "VerifyOptions":
+        """-> self, or ValueError naming the field as the caller knows it (`name(field)`, e.g.
+        fsd_ext.hf's "fsd_threshold"). rules: the names this caller takes; per_row: whether a [B]
+        threshold tensor is allowed."""
+        if self.rule not in rules:
+            raise ValueError(f"{name('rule')} must be one of {tuple(rules)}, got {self.rule!r}")
+        if self.divergence not in DIVERGENCES:
+            raise ValueError(f"{name('divergence')} must be one of {DIVERGENCES}, got {self.divergence!r}")
+        check_threshold(self.threshold, name("threshold"), per_row)
+        t = self.div_temperature
+        if t is not None and (isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 < t < math.inf):
+            raise ValueError(f"{name('div_temperature')} must be a finite float > 0 (or None: the sampling "
+                             f"distributions), got {t!r}")
+        return self
 
 # Random streams (csrc/fsd/common.h: Purpose).
 PURPOSE_ACCEPT = 1

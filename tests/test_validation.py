@@ -132,6 +132,48 @@ def test_every_threshold_entry_point_takes_the_same_values(entry):
         _threshold_entry_points()[entry](good)
 
 
+def _option_entry_points():
+    """Every Python place that takes (rule, divergence, threshold, div_temperature), as a dict."""
+    from fsd_ext.bench.grid import Config
+    from fsd_ext.decoding.calibrate import check_calibrate_options
+    from fsd_ext.decoding.checks import check_options
+    from fsd_ext.engines import vllm as plugin
+
+    calibrate = dict(max_deviation=0.02, thresholds=None, temperature=0.0, refine_steps=0, seed=0)
+    return {
+        "generate": lambda o: check_options(**o),
+        "vllm engine": lambda o: plugin.FsdConfig.from_additional_config({"fsd": o}),
+        "calibrate": lambda o: check_calibrate_options(rule=o["rule"], divergence=o["divergence"], **calibrate),
+        "bench": lambda o: Config(**o),
+    }
+
+
+@pytest.mark.parametrize("entry,field,bad", [
+    (entry, field, bad)
+    for field, bad in [("rule", "typical?"), ("divergence", "l2"), ("div_temperature", 0.0),
+                       ("div_temperature", float("inf"))]
+    for entry in ["generate", "vllm engine", "calibrate", "bench"]
+    if not (entry == "calibrate" and field == "div_temperature")])  # (calibrate passes the loop's)
+def test_every_entry_point_checks_the_verify_options_alike(entry, field, bad):
+    """types.VerifyOptions.check() is the one check of a rule and its test, wherever they come in."""
+    options = dict(rule="fsd", divergence="js", threshold=0.1, div_temperature=1.0)
+    _option_entry_points()[entry](options)
+    with pytest.raises(ValueError, match=field):
+        _option_entry_points()[entry]({**options, field: bad})
+
+
+def test_verify_options_name_the_field_as_the_caller_knows_it():
+    from fsd_ext.types import VerifyOptions
+
+    with pytest.raises(ValueError, match="fsd_threshold must be a float >= 0"):
+        VerifyOptions(threshold=-1.0).check(name=lambda field: f"fsd_{field}")
+    with pytest.raises(ValueError, match="threshold must be a float >= 0 .inf allowed., got"):
+        VerifyOptions(threshold=torch.tensor([0.1])).check(per_row=False)
+    assert VerifyOptions(rule="ar").check().rule == "ar"
+    with pytest.raises(ValueError, match="rule must be one of"):
+        VerifyOptions(rule="ar").check(rules=fsd_ext.RULES)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), -1.0])
 def test_bad_threshold_tensor_raises_value_error_like_the_float(bad):
     """A NaN (or negative) value in a [B] threshold tensor raised RuntimeError from the CPU op where

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..decoding.draft_length import POLICIES
-from ..types import DIVERGENCE_TABLE, DIVERGENCES, LENIENT_RULES, check_threshold
+from ..types import DIVERGENCE_TABLE, DIVERGENCES, LENIENT_RULES, VerifyOptions, check_threshold
 
 # Default threshold grids. Ranges: js in [0, ln 2], tv in [0, 1], kl/rkl/mkl unbounded; mkl is the
 # quantity the paper's code calls "js_div", so its grid brackets the paper's 0.4.
@@ -33,8 +33,10 @@ class Config:
         if self.rule not in BENCH_RULES:
             raise ValueError(f"rule must be one of {BENCH_RULES}, got {self.rule!r}")
         fuzzy = self.rule in LENIENT_RULES
-        if fuzzy and (self.divergence not in DIVERGENCES or self.threshold is None):
+        if fuzzy and (self.divergence is None or self.threshold is None):
             raise ValueError(f"rule {self.rule!r} needs a divergence in {DIVERGENCES} and a threshold")
+        if fuzzy:
+            VerifyOptions(self.rule, self.divergence, self.threshold, self.div_temperature).check(per_row=False)
         if not fuzzy and (self.divergence is not None or self.threshold is not None):
             raise ValueError(f"rule {self.rule!r} takes no divergence or threshold")
         if self.temperature < 0:

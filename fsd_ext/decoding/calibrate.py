@@ -23,7 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from .loop import generate
-from ..types import DIVERGENCE_TABLE, DIVERGENCES, LENIENT_RULES, check_threshold
+from ..types import DIVERGENCE_TABLE, LENIENT_RULES, VerifyOptions, check_threshold
 
 # Default candidates per divergence (fsd_ext.types.DIVERGENCE_TABLE): doubling grids inside each
 # divergence's range (js <= ln 2, tv <= 1; kl, rkl and mkl are unbounded: up to 6.4 nats).
@@ -160,10 +160,7 @@ def check_calibrate_options(*, rule, divergence, max_deviation, thresholds, temp
                             refine_steps, seed):
     """calibrate()'s own options (no model needed; the command line checks them before loading)
     -> (budgets, sorted threshold grid); raises ValueError."""
-    if rule not in CALIBRATE_RULES:
-        raise ValueError(f"rule must be one of {CALIBRATE_RULES}, got {rule!r}")
-    if divergence not in DIVERGENCES:
-        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
+    VerifyOptions(rule, divergence, threshold=0.0).check(rules=CALIBRATE_RULES)
     several = isinstance(max_deviation, Sequence) and not isinstance(max_deviation, str)
     budgets = list(max_deviation) if several else [max_deviation]
     if not budgets:

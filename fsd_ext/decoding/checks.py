@@ -10,7 +10,7 @@ from typing import List, Optional
 import torch
 
 from .. import ops, reference
-from ..types import DIVERGENCES, GENERATE_RULES, RULES, check_threshold
+from ..types import RULES, VerifyOptions
 from .draft_length import POLICIES
 
 # The ops the loop uses: the compiled kernels, or the pure-torch reference with the same contract
@@ -73,8 +73,7 @@ def check_options(*, rule: str = "fsd", divergence: str = "js", threshold=0.3,
                   draft_cost: float = 0.25, pad_token_id=None) -> None:
     """Raise ValueError / TypeError for a generate() option that no model and no input is needed to
     refuse. generate() calls it first; the command line calls it before it loads any model."""
-    if rule not in GENERATE_RULES:
-        raise ValueError(f"rule must be one of {GENERATE_RULES}, got {rule!r}")
+    VerifyOptions(rule, divergence, threshold, div_temperature).check()
     if draft_length not in POLICIES:
         raise ValueError(f"draft_length must be one of {tuple(POLICIES)}, got {draft_length!r}")
     if isinstance(draft_confidence, bool) or not isinstance(draft_confidence, numbers.Real) \
@@ -83,15 +82,12 @@ def check_options(*, rule: str = "fsd", divergence: str = "js", threshold=0.3,
     if isinstance(draft_cost, bool) or not isinstance(draft_cost, numbers.Real) \
             or not draft_cost > 0.0 or draft_cost == float("inf"):
         raise ValueError(f"draft_cost must be a finite float > 0, got {draft_cost!r}")
-    if divergence not in DIVERGENCES:
-        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {divergence!r}")
     if not _is_int(num_draft_tokens) or num_draft_tokens < 1:
         raise ValueError(f"num_draft_tokens must be an int >= 1, got {num_draft_tokens!r}")
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not temperature >= 0:
         raise ValueError(f"temperature must be a float >= 0, got {temperature!r}")
-    check_threshold(threshold)
     if use_cuda_graphs not in ("auto", True, False):
         raise ValueError(f"use_cuda_graphs must be 'auto', True or False, got {use_cuda_graphs!r}")
     if pad_token_id is not None and not _is_int(pad_token_id):

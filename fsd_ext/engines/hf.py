@@ -31,7 +31,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from ..decoding.draft_length import POLICIES
 from ..decoding.checks import check_pair
 from ..decoding.loop import generate as fsd_generate
-from ..types import DIVERGENCES, GENERATE_RULES, check_threshold
+from ..types import VerifyOptions
 
 # Only 5.x was tested (5.25): 4.x is refused rather than run untested.
 if Version(transformers.__version__) < Version("5"):
@@ -114,13 +114,10 @@ def _draft_length(fsd_draft_length, generation_config: GenerationConfig) -> str:
 
 
 def _check_request(model, input_ids, generation_config, stopping_criteria, model_kwargs,
-                   draft_model, fsd_rule, fsd_divergence, fsd_threshold, tokenizers):
+                   draft_model, options: VerifyOptions, tokenizers):
     """Raise ValueError for any part of the request fsd_ext.generate would not honour."""
-    if fsd_rule not in GENERATE_RULES:
-        raise ValueError(f"fsd_rule must be one of {GENERATE_RULES}, got {fsd_rule!r}")
-    if fsd_divergence not in DIVERGENCES:
-        raise ValueError(f"fsd_divergence must be one of {DIVERGENCES}, got {fsd_divergence!r}")
-    check_threshold(fsd_threshold, "fsd_threshold")
+    options.check(name=lambda field: f"fsd_{field}")
+    fsd_rule = options.rule
     if draft_model is None and fsd_rule != "ar":
         raise ValueError(f"fsd_rule={fsd_rule!r} needs a draft model: pass draft_model=<a causal LM "
                          f"sharing the target's tokenizer> (transformers does not hand "
@@ -214,9 +211,9 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
     if generation_config is None:
         raise ValueError("generation_config is missing: call this through model.generate("
                          "..., custom_generate=fsd_ext.hf.generate)")
+    options = VerifyOptions(fsd_rule, fsd_divergence, fsd_threshold, fsd_div_temperature)
     _check_request(model, input_ids, generation_config, stopping_criteria, model_kwargs,
-                   draft_model, fsd_rule, fsd_divergence, fsd_threshold,
-                   (fsd_tokenizer, fsd_draft_tokenizer))
+                   draft_model, options, (fsd_tokenizer, fsd_draft_tokenizer))
     sampling = _sampling_args(logits_processor, bool(generation_config.do_sample))
     draft_length = _draft_length(fsd_draft_length, generation_config)
     confidence = getattr(generation_config, "assistant_confidence_threshold", None)

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
-import numbers
 from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
 
-from ..types import DIVERGENCES, RULES, check_threshold as _check_threshold
+from ..types import RULES, VerifyOptions, check_threshold as _check_threshold
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +47,10 @@ THRESHOLD_ARG = "fsd_threshold"  # the SamplingParams.extra_args key of the per-
 
 
 @dataclass(frozen=True)
-class FsdConfig:
-    """The engine-wide settings, from `additional_config={"fsd": {...}}` (docs/design.md 2)."""
+class FsdConfig(VerifyOptions):
+    """The engine-wide settings, from `additional_config={"fsd": {...}}` (docs/design.md 2): the
+    verification options with the engine's defaults (T = 0, exactly SD; a request sets its own)."""
 
-    rule: str = "fsd"
-    divergence: str = "js"
     threshold: float = 0.0
     div_temperature: float = 1.0
 
@@ -71,21 +68,10 @@ class FsdConfig:
         unknown = sorted(set(entry) - known)
         if unknown:
             raise ValueError(f'additional_config["fsd"]: unknown keys {unknown}; known: {sorted(known)}')
-        config = cls(**entry)
-        if config.rule not in RULES:
-            raise ValueError(f'additional_config["fsd"]["rule"] must be one of {RULES}, got {config.rule!r}')
-        if config.divergence not in DIVERGENCES:
-            raise ValueError(f'additional_config["fsd"]["divergence"] must be one of {DIVERGENCES}, '
-                             f"got {config.divergence!r}")
-        check_threshold(config.threshold, 'additional_config["fsd"]["threshold"]')
-        if not (_is_real(config.div_temperature) and 0 < config.div_temperature < math.inf):
-            raise ValueError('additional_config["fsd"]["div_temperature"] must be a finite float > 0, '
-                             f"got {config.div_temperature!r}")
-        return config
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+        if entry.get("div_temperature", 1.0) is None:  # (vLLM's drafter keeps no sampling distributions)
+            raise ValueError('additional_config["fsd"]["div_temperature"] must be a finite float > 0, got None')
+        return cls(**entry).check(rules=RULES, per_row=False,
+                                  name=lambda key: f'additional_config["fsd"]["{key}"]')
 
 
 def check_threshold(value, name: str) -> float:
