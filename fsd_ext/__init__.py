@@ -13,7 +13,7 @@ from .calibrate import Calibration, calibrate
 from .decoding.cuda_graphs import release_cuda_graphs
 from .generate import GenerateOutput, GenerateStats, generate
 from .ops import accept, divergence, philox_uniforms, sample
-from .types import DIVERGENCES, RULES, AcceptResult
+from .types import DIVERGENCES, LENIENT_RULES, RULES, AcceptResult
 
 try:  # one source of the version: pyproject.toml, through the installed metadata
     __version__ = _metadata.version("fsd-ext")
@@ -31,5 +31,5 @@ def __getattr__(name):
 
 
 __all__ = ["accept", "divergence", "sample", "philox_uniforms", "reference", "AcceptResult",
-           "RULES", "DIVERGENCES", "generate", "GenerateOutput", "GenerateStats", "release_cuda_graphs",
+           "RULES", "LENIENT_RULES", "DIVERGENCES", "generate", "GenerateOutput", "GenerateStats", "release_cuda_graphs",
            "calibrate", "Calibration"]

@@ -192,22 +192,26 @@ def accept(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens
             positions and the bonus position.
         draft_logits: [B, K, V_d] same dtype and device, V_d <= V_t (ids >= V_d get probability 0).
         draft_tokens: [B, K] int32 | int64, the drafted ids (entries past num_draft are ignored).
-        rule: "greedy" | "sd" | "fsd" (default) | "fsd_strict".
-        divergence: "kl" | "rkl" | "js" (default) | "tv" | "mkl", used by fsd / fsd_strict.
-        threshold: T >= 0, a float or a [B] float tensor. NaN or a negative value raises
+        rule: "greedy" | "sd" | "fsd" (default) | "fsd_strict", or another lenient rule of
+            fsd_ext.LENIENT_RULES (docs/design.md 2.5: each tests a statistic of its own < T).
+        divergence: "kl" | "rkl" | "js" (default) | "tv" | "mkl", used by fsd / fsd_strict (and
+            returned by sd / greedy with return_divergence).
+        threshold: T >= 0 (the lenient rule's knob), a float or a [B] float tensor. NaN or a negative value raises
             ValueError in either form (on CUDA a tensor's values are not read on the host: such
             a row comes back invalid, see Returns).
         temperature: sampling temperature >= 0 (0 = greedy), a float or a [B] tensor.
         div_temperature: temperature > 0 of the distributions the divergence compares (float or
             [B]); None compares the sampling distributions themselves.
         top_k, top_p, min_p: optional filters, applied to target and draft alike.
-        div_top_k: compute the divergence on the top-k ids of p plus one bucket for the rest.
+        div_top_k: compute the divergence on the top-k ids of p plus one bucket for the rest
+            (fsd, fsd_strict, sd, greedy only).
         num_draft: [B] int tensor of per-row K (ragged), each in [0, K].
         seed: int, or int64 tensor [B] of per-row seeds (batch invariant), or [] (device tensor:
             graph-capturable). None draws one from `generator` / torch's default generator.
         offset: int >= 0 or one-element int64 tensor added to the Philox counter (e.g. the
             decoding step); the CPU checks a tensor's value, CUDA reads it on the device unchecked.
-        return_divergence: also return D_i as [B, K] float32.
+        return_divergence: also return D_i (the other lenient rules: their statistic s_i) as
+            [B, K] float32.
 
     Returns:
         AcceptResult(tokens [B, K+1] int64, num_accepted [B] int64, valid [B] bool,

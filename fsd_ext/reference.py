@@ -22,7 +22,7 @@ from typing import Optional, Union
 
 import torch
 
-from .types import (DIVERGENCES, LENIENT_RULES, PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_SAMPLE, RULES,
+from .types import (DIVERGENCES, PURPOSE_ACCEPT, PURPOSE_DRAFT, PURPOSE_SAMPLE, RULE_TABLE, RULES,
                     AcceptResult)
 
 RESIDUAL_MASS_EPS = 1e-6  # csrc/fsd/common.h: kResidualMassEps
@@ -151,6 +151,27 @@ def divergence_from_logprobs(logp: torch.Tensor, logq: torch.Tensor, kind: str) 
     return terms.sum(-1).clamp_min(0.0)
 
 
+def _criterion_statistic(criterion: str, logp: torch.Tensor, logq: torch.Tensor, target_logits: torch.Tensor,
+                         drafts: torch.Tensor, coin: torch.Tensor, p_draft: torch.Tensor,
+                         q_draft: torch.Tensor) -> torch.Tensor:
+    """s_i of a lenient rule other than fsd (docs/design.md 2.5; csrc/fsd/rules.h: rule_statistic), [B, K].
+    logp, logq: log p~, log q~ [B, K, V] (the divergence's distributions); target_logits [B, K, V]
+    clamped; drafts, coin, p_draft, q_draft [B, K] (the last three of the sampling distributions)."""
+    log_p_token = logp.gather(-1, drafts[..., None])[..., 0]
+    if criterion == "typical":  # 1 / max(p~(d), p~(d)^2 e^{2 H(p~)}), eps = 1 / T
+        logp = logp.masked_fill(logp < ZERO_BY_CONSTRUCTION_BELOW, float("-inf"))
+        entropy = torch.where(logp > -math.inf, -logp.exp() * logp, 0.0).sum(-1)
+        return torch.exp(-torch.maximum(log_p_token, 2.0 * (log_p_token + entropy)))
+    if criterion == "lenience":  # log(u q(d) / p(d)), l = e^{-T}
+        return torch.where(p_draft > 0, torch.log(coin * q_draft) - torch.log(p_draft), math.inf)
+    if criterion == "prob_floor":  # -log p~(d), t = e^{-T}
+        return -log_p_token
+    if criterion == "rank":  # target logits above d's, k = T
+        pivot = target_logits.gather(-1, drafts[..., None])
+        return (target_logits > pivot).sum(-1).to(logp.dtype)
+    raise ValueError(f"unknown criterion {criterion!r}")
+
+
 def bucket_top_k(logp: torch.Tensor, logq: torch.Tensor, k: int):
     """div_top_k: k+1 buckets, the k most probable ids under p (lowest id on ties) and the rest."""
     if k >= logp.shape[-1]:
@@ -263,37 +284,48 @@ def accept(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens
     logp = sampling_logprobs(zt, tau, top_k, top_p, min_p)  # [B, K+1, V_t]
     logq = sampling_logprobs(zd, tau, top_k, top_p, min_p)  # [B, K, V_t]
 
-    div = None
-    if return_divergence or rule in LENIENT_RULES:
+    if coin_uniforms is None:
+        coin_uniforms = philox_uniforms(seed, offset, batch, k, PURPOSE_ACCEPT)  # [B, K]
+    if sample_uniforms is None:
+        sample_uniforms = philox_uniforms(seed, offset, batch, k_plus_1, PURPOSE_SAMPLE)  # [B, K+1]
+    drafts = torch.where(used_d, draft_tokens.to("cpu", torch.int64), 0)  # [B, K]
+    p_draft = logp[:, :k].gather(-1, drafts[..., None])[..., 0].exp()  # [B, K]
+    q_draft = logq.gather(-1, drafts[..., None])[..., 0].exp()
+    coin = coin_uniforms.to(compute_dtype)
+    coin_accepts = coin * q_draft <= p_draft
+
+    criterion = RULE_TABLE[RULES.index(rule)].criterion
+    stat = None
+    if return_divergence or criterion:
         if div_temperature is None:
             div_p, div_q = logp[:, :k], logq
         else:
             tau_div = _per_row(div_temperature, batch, compute_dtype)[:, None, None]
             div_p = ((zt[:, :k] - zt[:, :k].amax(-1, keepdim=True)) / tau_div).log_softmax(-1)
             div_q = ((zd - zd.amax(-1, keepdim=True)) / tau_div).log_softmax(-1)
-        if div_top_k:
-            div_p, div_q = bucket_top_k(div_p, div_q, div_top_k)
-        div = divergence_from_logprobs(div_p, div_q, divergence)  # [B, K]
-        div = div.masked_fill(~(used_d & valid[:, None]), float("nan"))
+        if criterion in (None, "divergence"):
+            if div_top_k:
+                div_p, div_q = bucket_top_k(div_p, div_q, div_top_k)
+            stat = divergence_from_logprobs(div_p, div_q, divergence)  # [B, K]
+        else:
+            if div_top_k:
+                raise ValueError(f"div_top_k applies to the divergence rules (fsd, fsd_strict) only, got rule {rule!r}")
+            stat = _criterion_statistic(criterion, div_p, div_q, zt[:, :k], drafts, coin, p_draft, q_draft)
+        stat = stat.masked_fill(~(used_d & valid[:, None]), float("nan"))
 
-    if coin_uniforms is None:
-        coin_uniforms = philox_uniforms(seed, offset, batch, k, PURPOSE_ACCEPT)  # [B, K]
-    if sample_uniforms is None:
-        sample_uniforms = philox_uniforms(seed, offset, batch, k_plus_1, PURPOSE_SAMPLE)  # [B, K+1]
-
-    drafts = torch.where(used_d, draft_tokens.to("cpu", torch.int64), 0)  # [B, K]
-    p_draft = logp[:, :k].gather(-1, drafts[..., None])[..., 0].exp()  # [B, K]
-    q_draft = logq.gather(-1, drafts[..., None])[..., 0].exp()
-    coin_accepts = coin_uniforms.to(compute_dtype) * q_draft <= p_draft
     target_argmax = zt.argmax(-1)  # [B, K+1]
     thr = _per_row(threshold, batch, torch.float32)[:, None]  # [B, 1]
-    div32 = div.float() if div is not None else None  # the kernels compare D in float32
-    accepted = {
-        "greedy": lambda: drafts == target_argmax[:, :k],
-        "sd": lambda: coin_accepts,
-        "fsd": lambda: (div32 < thr) | coin_accepts,
-        "fsd_strict": lambda: (div32 <= thr) & div32.isfinite(),
-    }[rule]() & used_d
+    stat32 = stat.float() if stat is not None else None  # the kernels compare s_i in float32
+    if rule == "greedy":
+        accepted = drafts == target_argmax[:, :k]
+    elif criterion is None:
+        accepted = coin_accepts
+    elif rule == "fsd_strict":
+        accepted = (stat32 <= thr) & stat32.isfinite()
+    else:
+        test = stat32 < thr
+        accepted = test if RULE_TABLE[RULES.index(rule)].strict else test | coin_accepts
+    accepted &= used_d
     num_accepted = accepted.long().cumprod(1).sum(1)  # [B]
 
     # The correction (first rejection) or bonus token, at position num_accepted.
@@ -306,7 +338,7 @@ def accept(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens
     residual = torch.where(no_mass, p_at, residual)
     u_at = sample_uniforms.to(compute_dtype)[arange_b, at]
     argmax_at = target_argmax[arange_b, at]
-    use_residual = rejected & (rule in ("sd", "fsd"))
+    use_residual = rejected & (rule != "greedy" and not RULE_TABLE[RULES.index(rule)].strict)
     emitted = inverse_cdf(torch.where(use_residual[:, None], residual, p_at), u_at)
     emitted = argmax_at if rule == "greedy" else emitted
 
@@ -316,4 +348,4 @@ def accept(target_logits: torch.Tensor, draft_logits: torch.Tensor, draft_tokens
     tokens[arange_b, at] = emitted
     tokens[~valid] = -1
     num_accepted = num_accepted.masked_fill(~valid, 0)
-    return AcceptResult(tokens, num_accepted, valid, div.float() if return_divergence else None)
+    return AcceptResult(tokens, num_accepted, valid, stat.float() if return_divergence else None)

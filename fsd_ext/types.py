@@ -14,8 +14,16 @@ import torch
 
 class RuleSpec(NamedTuple):
     name: str
-    lenient: bool  # accepts drafts exact SD rejects, by a divergence under a threshold (calibrate tunes these)
+    # None (greedy, sd); "divergence" (fsd: D(p, q) < T); else the test of the other lenient rules
+    # (docs/design.md 2.5; csrc/fsd/rules.h: Criterion). Lenient rules take a threshold T >= 0.
+    criterion: Optional[str]
+    strict: bool  # the test alone decides and the correction is a sample of p (else: test OR SD's coin)
     summary: str
+    # The source's knob as a function of T, and the default grids of T (calibrate, bench frontier)
+    # for rules whose criterion is not a divergence (those come from DIVERGENCE_TABLE).
+    knob: str = ""
+    calibration_grid: tuple = ()
+    sweep_grid: tuple = ()
 
 
 class DivergenceSpec(NamedTuple):
@@ -25,14 +33,28 @@ class DivergenceSpec(NamedTuple):
     sweep_grid: tuple  # `fsd-ext bench frontier`'s default thresholds
 
 
+_UNBOUNDED_GRID = (0.0125, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4)  # up to 6.4 nats
+_TYPICAL_GRID = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
+_TOP_K_GRID = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
 # Index = the integer the C++ core uses (csrc/fsd/common.h). Never reorder. docs/design.md section 2.
 RULE_TABLE = (
-    RuleSpec("greedy", False, "keep d while it is the target's argmax"),
-    RuleSpec("sd", False, "exact speculative sampling: keep d with probability min(1, p(d)/q(d))"),
-    RuleSpec("fsd", True, "keep d if SD would or D(p, q) < T; SD's residual at the first rejection"),
-    RuleSpec("fsd_strict", True, "keep d iff D(p, q) < T; resample from p at the first rejection"),
+    RuleSpec("greedy", None, False, "keep d while it is the target's argmax"),
+    RuleSpec("sd", None, False, "exact speculative sampling: keep d with probability min(1, p(d)/q(d))"),
+    RuleSpec("fsd", "divergence", False, "keep d if SD would or D(p, q) < T; SD's residual at the first rejection"),
+    RuleSpec("fsd_strict", "divergence", True, "keep d iff D(p, q) <= T; resample from p at the first rejection"),
+    RuleSpec("typical", "typical", False, "keep d if SD would or p(d) > min(eps, sqrt(eps) exp(-H(p))) (Medusa)",
+             "eps = 1 / T (Medusa's default eps 0.09: T = 11.1)", _TYPICAL_GRID, (1.0, 2.0, 4.0, 11.1, 32.0, 128.0)),
+    RuleSpec("typical_strict", "typical", True, "keep d iff p(d) > min(eps, sqrt(eps) exp(-H(p))) (Medusa)",
+             "eps = 1 / T", _TYPICAL_GRID, (1.0, 2.0, 4.0, 11.1, 32.0, 128.0)),
+    RuleSpec("lenient_sd", "lenience", False, "keep d with probability min(1, p(d) / (l q(d))) (Leviathan et al.)",
+             "l = exp(-T)", _UNBOUNDED_GRID, (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)),
+    RuleSpec("prob_floor", "prob_floor", False, "keep d if SD would or p(d) > t (SGLang's threshold_single)",
+             "t = exp(-T)", _UNBOUNDED_GRID, (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)),
+    RuleSpec("rank", "rank", False, "keep d if SD would or d is among the k most likely ids of p (top-k lenience)",
+             "k = T (d's rank < T)", _TOP_K_GRID, (1.0, 2.0, 3.0, 5.0, 10.0)),
+    RuleSpec("rank_strict", "rank", True, "keep d iff it is among the k most likely ids of p (TensorRT-LLM)",
+             "k = T", _TOP_K_GRID, (1.0, 2.0, 3.0, 5.0, 10.0)),
 )
-_UNBOUNDED_GRID = (0.0125, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4)  # up to 6.4 nats
 DIVERGENCE_TABLE = (
     DivergenceSpec("kl", "KL(p || q)", _UNBOUNDED_GRID, (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)),
     DivergenceSpec("rkl", "KL(q || p)", _UNBOUNDED_GRID, (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)),
@@ -44,9 +66,24 @@ DIVERGENCE_TABLE = (
                    _UNBOUNDED_GRID, (0.1, 0.2, 0.4, 0.6, 0.8, 1.2)),
 )
 RULES = tuple(rule.name for rule in RULE_TABLE)
-LENIENT_RULES = tuple(rule.name for rule in RULE_TABLE if rule.lenient)
+LENIENT_RULES = tuple(rule.name for rule in RULE_TABLE if rule.criterion)
+DIVERGENCE_RULES = tuple(rule.name for rule in RULE_TABLE if rule.criterion == "divergence")
 GENERATE_RULES = ("ar",) + RULES  # the decoding loop's: "ar" decodes with the target alone
 DIVERGENCES = tuple(divergence.name for divergence in DIVERGENCE_TABLE)
+
+
+def rule_spec(rule: str) -> RuleSpec:
+    return RULE_TABLE[RULES.index(rule)]
+
+
+def threshold_grids(rule: str, divergence: str) -> tuple:
+    """(calibration grid, sweep grid) of T for a lenient rule: its divergence's under fsd and
+    fsd_strict, the rule's own under the others."""
+    spec = rule_spec(rule)
+    if spec.criterion == "divergence":
+        div = DIVERGENCE_TABLE[DIVERGENCES.index(divergence)]
+        return div.calibration_grid, div.sweep_grid
+    return spec.calibration_grid, spec.sweep_grid
 
 
 def check_threshold(value, name: str = "threshold", per_row: bool = True) -> None:

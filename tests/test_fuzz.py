@@ -37,6 +37,7 @@ from tests._hypothesis_profiles import fuzz_settings  # noqa: E402
 
 import fsd_ext  # noqa: E402
 from fsd_ext import ops as fsd_ops  # noqa: E402
+from fsd_ext.types import rule_spec  # noqa: E402
 
 if fsd_ops._IMPORT_ERROR is not None:  # pragma: no cover
     pytest.skip("fsd_ext._C is not built", allow_module_level=True)
@@ -49,7 +50,7 @@ ERRORS = (ValueError, TypeError, RuntimeError)
 # Temperatures / thresholds worth trying: 0, tiny (subnormal, and below float32's range), ordinary,
 # huge. Floats in (0, 1e-45) round to 0 in float32 and so mean greedy.
 TEMPERATURES = (0.0, 1e-45, 1e-38, 1e-30, 1e-8, 0.3, 1.0, 2.5, 1e4, 1e30)
-THRESHOLDS = (0.0, 1e-7, 0.05, 0.4, 1.0, 50.0, math.inf)
+THRESHOLDS = (0.0, 1e-7, 0.05, 0.4, 1.0, 1.5, 3.0, 50.0, math.inf)
 DIV_TEMPERATURES = (1e-38, 1e-6, 0.5, 1.0, 3.0, 1e20)
 
 
@@ -206,13 +207,15 @@ def accept_calls(draw):
     if draw(st.integers(0, 9)) == 0 and k > 1:  # non-contiguous draft tokens
         tokens = tokens.t().contiguous().t()
 
+    rule = draw(st.sampled_from(fsd_ext.RULES))
     kwargs = dict(
-        rule=draw(st.sampled_from(fsd_ext.RULES)),
+        rule=rule,
         divergence=draw(st.sampled_from(fsd_ext.DIVERGENCES)),
         threshold=row_arg(draw, gen, THRESHOLDS, batch),
         temperature=row_arg(draw, gen, TEMPERATURES, batch),
         div_temperature=None if draw(st.integers(0, 3)) == 0 else row_arg(draw, gen, DIV_TEMPERATURES, batch),
-        div_top_k=draw(st.sampled_from([None, None, 1, 3, target_vocab, target_vocab + 1])),
+        div_top_k=(draw(st.sampled_from([None, None, 1, 3, target_vocab, target_vocab + 1]))
+                   if rule_spec(rule).criterion in (None, "divergence") else None),  # (refused by the others)
         num_draft=num_draft,
         seed=seed_arg(draw, gen, batch),
         offset=offset_arg(draw),
@@ -289,8 +292,10 @@ def check_accept(args, kwargs, result):
         assert div[~live].isnan().all()
         values = div[live]
         assert not values.isnan().any(), div
-        assert (values >= 0).all()
-        bound = {"js": math.log(2), "tv": 1.0}.get(kwargs["divergence"])
+        criterion = rule_spec(kwargs["rule"]).criterion
+        if criterion != "lenience":  # (log(u q(d) / p(d)) may be negative)
+            assert (values >= 0).all()
+        bound = {"js": math.log(2), "tv": 1.0}.get(kwargs["divergence"]) if criterion in (None, "divergence") else None
         if bound is not None:
             assert (values <= bound + 1e-3).all(), values
     else:

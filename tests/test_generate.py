@@ -318,19 +318,42 @@ def test_stats_and_divergences(target, draft):
     assert "tokens/s" in stats.summary()
 
 
-@pytest.mark.parametrize("rule", ["greedy", "sd", "fsd"])
+# Each lenient rule at a knob where, on this pair, it keeps drafts SD rejects.
+LENIENT_KNOB = {"fsd": 0.6, "fsd_strict": 0.6, "typical": 128.0, "typical_strict": 128.0, "lenient_sd": 6.4,
+                "prob_floor": 6.4, "rank": 32.0, "rank_strict": 1e6, "cascade": 1.99}
+
+
+@pytest.mark.parametrize("rule", [r for r in fsd_ext.LENIENT_RULES if fsd_ext.types.rule_spec(r).criterion != "divergence"])
+def test_lenient_rules_through_generate(target, draft, rule):
+    """Each rule decodes batched prompts: at T = 0 a hybrid rule is exactly SD (same seeds, same
+    tokens; a strict one accepts nothing), and at a lenient knob it keeps more drafts than SD."""
+    ids, mask = random_prompts([5, 8, 2], seed=6)
+    kwargs = dict(num_draft_tokens=4, max_new_tokens=20, temperature=0.8, seed=7, eos_token_id=[])
+    sd = fsd_ext.generate(target, draft, ids, mask, rule="sd", **kwargs)
+    exact = fsd_ext.generate(target, draft, ids, mask, rule=rule, threshold=0.0, **kwargs)
+    if fsd_ext.types.rule_spec(rule).strict:
+        assert exact.stats.accepted_drafts == 0
+    else:
+        assert torch.equal(sd.sequences, exact.sequences)
+    lenient = fsd_ext.generate(target, draft, ids, mask, rule=rule, threshold=LENIENT_KNOB[rule], **kwargs)
+    assert lenient.stats.mean_accepted > sd.stats.mean_accepted
+
+
+@pytest.mark.parametrize("rule", ["greedy", "sd"] + list(fsd_ext.LENIENT_RULES))
 def test_greedy_counts_the_drafts_sd_would_reject(target, draft, rule):
     """Under greedy decoding every emitted correction/bonus is the target's argmax, so the generated
     tokens that differ from a teacher-forced target argmax are exactly the accepted off-target
     drafts; sd and greedy accept none."""
     ids, mask = random_prompts([7], seed=21)
-    out = fsd_ext.generate(target, draft, ids, mask, rule=rule, threshold=0.6, temperature=0.0,
-                           num_draft_tokens=4, max_new_tokens=24, eos_token_id=[])
+    out = fsd_ext.generate(target, draft, ids, mask, rule=rule, threshold=LENIENT_KNOB.get(rule, 0.0),
+                           temperature=0.0, num_draft_tokens=4, max_new_tokens=24, eos_token_id=[])
     logits = target(out.sequences).logits[0]
     predicted = logits[ids.shape[1] - 1:-1].argmax(-1)
     mismatches = int((predicted != out.sequences[0, ids.shape[1]:]).sum())
     assert out.stats.sd_rejected_accepted == mismatches
-    assert (mismatches == 0) == (rule != "fsd")  # the fsd case must really exercise the count
+    # The lenient rules must really exercise the count; lenient SD's coin reads the one-hot greedy
+    # p and q, so it has no room under greedy decoding (docs/design.md 2.5).
+    assert (mismatches == 0) == (rule in ("greedy", "sd", "lenient_sd"))
     sampled = fsd_ext.generate(target, draft, ids, mask, rule="fsd", temperature=1.0, seed=0,
                                num_draft_tokens=4, max_new_tokens=8, eos_token_id=[])
     assert sampled.stats.sd_rejected_accepted is None  # only defined under greedy
@@ -1145,6 +1168,13 @@ def test_cli_parser():
     kwargs = cli._generate_kwargs(args, args.rule)
     assert (kwargs["min_p"], kwargs["div_temperature"]) == (0.05, None)
     assert (kwargs["draft_length"], kwargs["draft_confidence"]) == ("fixed", 0.4)
+    for rule in fsd_ext.LENIENT_RULES:  # every lenient rule reaches generate's kwargs
+        args = cli.build_parser().parse_args(["generate", "--target", "t", "--draft", "d", "--prompt",
+                                              "hi", "--rule", rule, "--threshold", "2.5"])
+        kwargs = cli._generate_kwargs(args, args.rule)
+        assert (kwargs["rule"], kwargs["threshold"]) == (rule, 2.5)
+        assert cli.build_parser().parse_args(["calibrate", "--target", "t", "--draft", "d",
+                                              "--rule", rule]).rule == rule
     args = cli.build_parser().parse_args(["demo", "--draft-length", "heuristic"])
     assert cli._generate_kwargs(args, "sd")["draft_length"] == "heuristic"
     with pytest.raises(SystemExit):

@@ -196,6 +196,16 @@ def test_sampling_with_a_seed_is_reproducible_and_is_fsd_ext_generate(target, dr
     assert torch.equal(d, fsd_hf(target, draft, ids, mask, **kwargs))
 
 
+@pytest.mark.parametrize("rule,threshold", [("typical", 11.1), ("rank_strict", 3.0), ("prob_floor", 1.0)])
+def test_other_lenient_rules_are_fsd_ext_generate(target, draft, rule, threshold):
+    ids, mask = prompts([5, 8], seed=7)
+    out = fsd_hf(target, draft, ids, mask, do_sample=True, temperature=0.8, top_k=40, top_p=0.95,
+                 max_new_tokens=12, fsd_rule=rule, fsd_threshold=threshold, fsd_num_draft_tokens=3, fsd_seed=5)
+    direct = fsd_ext.generate(target, draft, ids, mask, rule=rule, threshold=threshold, num_draft_tokens=3,
+                              temperature=0.8, top_k=40, top_p=0.95, max_new_tokens=12, seed=5)
+    assert torch.equal(out, direct.sequences)
+
+
 def test_return_dict_in_generate_gives_generate_decoder_only_output(target, draft):
     ids, mask = prompts([4, 6], seed=8)
     kwargs = dict(do_sample=False, max_new_tokens=10, fsd_num_draft_tokens=3)

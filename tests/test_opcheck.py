@@ -54,6 +54,10 @@ def accept_cases():
         temperature=torch.tensor([0.0, 0.7, 1.3]), div_temperature=torch.tensor([1.0, 2.0, 0.5]),
         top_k=5, top_p=0.9, min_p=0.05, div_top_k=4, num_draft=torch.tensor([0, 1, 2]),
         seed=torch.tensor([5, 6, 7]), offset=torch.tensor([11]), return_divergence=True)
+    for rule in [r.name for r in fsd_ext.types.RULE_TABLE if r.criterion not in (None, "divergence")]:
+        yield f"{rule}_per_row", lambda rule=rule: fsd_ext.accept(
+            t, d, drafts, rule=rule, threshold=torch.tensor([0.5, 1.5, 12.0]), temperature=0.7, top_p=0.9,
+            seed=torch.tensor([5, 6, 7]), return_divergence=True)
     yield "greedy_k0_bf16", lambda: fsd_ext.accept(
         logits(2, 1, 16, dtype=torch.bfloat16), logits(2, 0, 16, dtype=torch.bfloat16),
         torch.zeros(2, 0, dtype=torch.long), rule="greedy", temperature=0.0, seed=1)

@@ -61,7 +61,9 @@ def test_config_parsing():
     config = plugin.FsdConfig.from_additional_config(
         {"fsd": {"rule": "fsd_strict", "divergence": "mkl", "threshold": 0.4}})
     assert (config.rule, config.divergence, config.threshold) == ("fsd_strict", "mkl", 0.4)
-    for bad in ({"rule": "typical"}, {"divergence": "hellinger"}, {"threshold": -1.0},
+    config = plugin.FsdConfig.from_additional_config({"fsd": {"rule": "typical", "threshold": 11.1}})
+    assert (config.rule, config.threshold) == ("typical", 11.1)
+    for bad in ({"rule": "medusa"}, {"divergence": "hellinger"}, {"threshold": -1.0},
                 {"threshold": float("nan")}, {"div_temperature": 0.0}, {"treshold": 0.3}):
         with pytest.raises(ValueError, match="fsd"):
             plugin.FsdConfig.from_additional_config({"fsd": bad})
@@ -283,7 +285,7 @@ def hf_draft_continuation(pair, ids, n):
 
 def test_malformed_fsd_config_stops_the_engine(pair):
     with pytest.raises(Exception, match=r'additional_config\["fsd"\]\["rule"\] must be one of'):
-        make_llm(pair, fsd={"rule": "typical"})
+        make_llm(pair, fsd={"rule": "medusa"})
 
 
 def test_sd_at_temperature_0_equals_vllms_own(pair, vllm_llm, fsd_llm):

@@ -20,13 +20,17 @@
 
 namespace fsd {
 
-// Acceptance rules of docs/design.md section 2.5. The numeric values are part of the op ABI (the Python
-// front end passes them as ints), so never renumber.
-enum class Rule : int32_t { Greedy = 0, SD = 1, FSD = 2, FSDStrict = 3 };
-constexpr int32_t kRuleCount = 4;
+// Acceptance rules of docs/design.md section 2.5 (rules.h: rule_traits). The numeric values are part of
+// the op ABI (the Python front end passes them as ints), so never renumber.
+enum class Rule : int32_t {
+  Greedy = 0, SD = 1, FSD = 2, FSDStrict = 3,
+  Typical = 4, TypicalStrict = 5, LenientSD = 6, ProbFloor = 7, Rank = 8, RankStrict = 9,
+};
+constexpr int32_t kRuleCount = 10;
 
-// Divergences of docs/design.md section 2.4. Same ABI note as Rule.
-enum class Divergence : int32_t { KL = 0, RKL = 1, JS = 2, TV = 3, MKL = 4 };
+// Divergences of docs/design.md section 2.4. Same ABI note as Rule. Entropy is not one a caller picks
+// (kDivergenceCount counts those): it is the typical rules' sum, H(p), which ignores q.
+enum class Divergence : int32_t { KL = 0, RKL = 1, JS = 2, TV = 3, MKL = 4, Entropy = 5 };
 constexpr int32_t kDivergenceCount = 5;
 
 // Calls f(std::integral_constant<Divergence, kind>{}) for a runtime divergence kind: the one
@@ -43,6 +47,7 @@ FSD_INLINE void with_divergence(Divergence kind, F&& f) {
     case Divergence::JS: f(std::integral_constant<Divergence, Divergence::JS>{}); break;
     case Divergence::TV: f(std::integral_constant<Divergence, Divergence::TV>{}); break;
     case Divergence::MKL: f(std::integral_constant<Divergence, Divergence::MKL>{}); break;
+    case Divergence::Entropy: f(std::integral_constant<Divergence, Divergence::Entropy>{}); break;
   }
 }
 
@@ -134,12 +139,12 @@ struct AcceptProblem {
   const int64_t* num_draft = nullptr;   // [B] ragged K, or nullptr for K everywhere
 
   Rule rule = Rule::FSD;
-  Divergence divergence = Divergence::JS;
+  Divergence divergence = Divergence::JS;  // the sum of the rule's statistic: statistic_divergence (rules.h)
   RowValue<float> threshold;
   RowValue<float> temperature;      // 0 = greedy
   RowValue<float> div_temperature;  // used when !div_uses_sampling
   bool div_uses_sampling = false;   // div_temperature=None: D on the sampling distributions
-  int64_t div_top_k = 0;            // 0 = off
+  int64_t div_top_k = 0;            // 0 = off; the divergence criterion's only (fsd, fsd_strict, sd / greedy)
   SamplingFilter filter;
   RandomKey key;
 
@@ -147,7 +152,8 @@ struct AcceptProblem {
   int64_t* tokens = nullptr;        // [B, K+1]
   int64_t* num_accepted = nullptr;  // [B]
   bool* valid = nullptr;            // [B]
-  float* divergences = nullptr;     // [B, K]; NaN past num_draft, on invalid rows, and everywhere
+  float* divergences = nullptr;     // [B, K] the rule's statistic (rules.h; D_i for fsd, sd, greedy);
+                                    // NaN past num_draft, on invalid rows, and everywhere
   bool need_divergence = true;      // when false (no rule or caller needs D): all NaN, not computed
   bool divergences_wanted = true;   // the caller reads `divergences` (return_divergence); when not,
                                     // a kernel may leave NaN the D of a position that an sd / fsd

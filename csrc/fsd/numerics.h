@@ -107,6 +107,8 @@ struct Dist {
     const float s = scaled(logit);
     return s >= cut ? (double)s - ::log(sum) : -(double)kInf;
   }
+  // log of the largest probability (that of the row's maximum, which no filter cuts).
+  FSD_NUMERIC double log_max_prob() const { return one_hot >= 0 ? 0.0 : -::log(sum); }
 };
 
 // A softmax at inverse temperature `inv` with cutoff `cut` and sum `sum` of the kept exp(s_j).

@@ -90,6 +90,7 @@ FSD_INLINE F divergence_term(F p, F lp, F q, F lq, LogFn log_fn, F log_zero = F(
   if (D == Divergence::KL) return lp > log_zero ? (lq > zero_below ? p : inf) * (lp - lq) : zero;
   if (D == Divergence::RKL) return lq > log_zero ? (lp > zero_below ? q : inf) * (lq - lp) : zero;
   if (D == Divergence::TV) return half * (p > q ? p - q : q - p);
+  if (D == Divergence::Entropy) return lp > log_zero ? -p * lp : zero;  // H(p): q unused
   if (D == Divergence::MKL) {  // 0.5 KL(m || p) + 0.5 KL(m || q)
     // m > 0 in float64 where p or q is; +inf where the other is 0 by construction (lm - that log
     // is +inf, the other difference is at least -ln 2).
@@ -113,35 +114,106 @@ FSD_INLINE F finish_divergence(F sum) {
   return sum > F(0) ? sum : F(0);
 }
 
-FSD_INLINE bool rule_needs_divergence(Rule rule) {
-  return rule == Rule::FSD || rule == Rule::FSDStrict;
+// What a rule tests at draft position i besides exact SD's coin (docs/design.md section 2.5): a
+// statistic s_i of the position, accepted when s_i < T (fsd_strict: s_i <= T). Each lenient rule
+// is a hybrid (accept if the coin or the test does; SD's residual at the first rejection, so T = 0
+// is exact SD) or strict (the test alone; the correction is a sample of p).
+enum class Criterion : int32_t {
+  None,        // greedy, sd
+  Divergence,  // fsd: s = D(p~, q~)
+  Typical,     // Medusa's typical acceptance with eps = 1 / T: s = 1 / max(p~(d), p~(d)^2 e^{2 H(p~)})
+  Lenience,    // lenient SD with l = e^{-T}: s = log(u q(d) / p(d))
+  ProbFloor,   // target-probability floor t = e^{-T}: s = -log p~(d)
+  Rank,        // top-k lenience with k = T: s = d's rank, the number of target logits above d's
+};
+struct RuleTraits {
+  Criterion criterion;
+  bool strict;
+};
+FSD_INLINE RuleTraits rule_traits(Rule rule) {
+  switch (rule) {
+    case Rule::FSD: return {Criterion::Divergence, false};
+    case Rule::FSDStrict: return {Criterion::Divergence, true};
+    case Rule::Typical: return {Criterion::Typical, false};
+    case Rule::TypicalStrict: return {Criterion::Typical, true};
+    case Rule::LenientSD: return {Criterion::Lenience, false};
+    case Rule::ProbFloor: return {Criterion::ProbFloor, false};
+    case Rule::Rank: return {Criterion::Rank, false};
+    case Rule::RankStrict: return {Criterion::Rank, true};
+    default: return {Criterion::None, false};
+  }
+}
+
+FSD_INLINE bool rule_needs_divergence(Rule rule) { return rule_traits(rule).criterion != Criterion::None; }
+
+// The vocabulary sum a rule's statistic reads, which the kernels compute as they compute a
+// divergence (AcceptProblem::divergence holds it): the chosen divergence under fsd (and for the
+// D_i that sd and greedy return on request), H(p~) for typical. The other criteria
+// read no sum (statistic_reads_sum); they name TV, which the CUDA kernels add up alongside the
+// residual they need anyway, and which the CPU kernel skips.
+FSD_INLINE Divergence statistic_divergence(Rule rule, Divergence chosen) {
+  switch (rule_traits(rule).criterion) {
+    case Criterion::None:
+    case Criterion::Divergence: return chosen;
+    case Criterion::Typical: return Divergence::Entropy;
+    default: return Divergence::TV;
+  }
+}
+FSD_INLINE bool statistic_reads_sum(Rule rule) {
+  const Criterion c = rule_traits(rule).criterion;
+  return c == Criterion::None || c == Criterion::Divergence || c == Criterion::Typical;
+}
+
+// What the statistic of draft position i (token d) is computed from. p~, q~: the distributions the
+// divergence compares (div_temperature, or the sampling ones); p, q: the sampling distributions.
+struct StatisticInputs {
+  double sum;                 // the statistic_divergence sum, nats
+  double log_p_token;         // log p~(d)
+  double log_max_p, log_max_q;  // log max p~, log max q~
+  double rank;                // the number of target logits above d's (+inf counted as FLT_MAX)
+  double coin, p_token, q_token;  // u_i, p(d), q(d)
+};
+
+// s_i of the rule's criterion (Criterion lists them). +inf where d has p~(d) = 0 (typical, floor)
+// or p(d) = 0 (lenience): never accepted by the test.
+FSD_INLINE double rule_statistic(Rule rule, const StatisticInputs& in) {
+  switch (rule_traits(rule).criterion) {
+    case Criterion::Typical: {  // exp(-max(log p~(d), 2 log p~(d) + 2 H))
+      const double a = in.log_p_token, b = 2.0 * (in.log_p_token + in.sum);
+      return ::exp(-(a > b ? a : b));
+    }
+    case Criterion::Lenience: return in.p_token > 0.0 ? ::log(in.coin * in.q_token) - ::log(in.p_token) : HUGE_VAL;
+    case Criterion::ProbFloor: return -in.log_p_token;
+    case Criterion::Rank: return in.rank;
+    default: return in.sum;
+  }
 }
 
 // Whether drafted token d_i is accepted. `coin` is u_i, `p_draft`/`q_draft` are p_i(d_i)/q_i(d_i)
-// (sampling distributions), `divergence` is D_i (unused by greedy and sd).
-FSD_INLINE bool accept_draft(Rule rule, float divergence, float threshold, double coin, double p_draft,
+// (sampling distributions), `statistic` is s_i (unused by greedy and sd).
+FSD_INLINE bool accept_draft(Rule rule, float statistic, float threshold, double coin, double p_draft,
                              double q_draft, bool draft_is_target_argmax) {
+  if (rule == Rule::Greedy) return draft_is_target_argmax;
   const bool coin_accepts = coin * q_draft <= p_draft;
-  switch (rule) {
-    case Rule::Greedy: return draft_is_target_argmax;
-    case Rule::SD: return coin_accepts;
-    case Rule::FSD: return divergence < threshold || coin_accepts;
-    case Rule::FSDStrict: return divergence <= threshold && divergence < INFINITY;
-  }
-  return false;
+  const RuleTraits traits = rule_traits(rule);
+  if (traits.criterion == Criterion::None) return coin_accepts;
+  if (rule == Rule::FSDStrict) return statistic <= threshold && statistic < INFINITY;
+  const bool test = statistic < threshold;
+  return traits.strict ? test : test || coin_accepts;
 }
 
-// Whether D_i may be left uncomputed (NaN) at a position whose coin accepts d_i: under sd and fsd
-// the coin alone then accepts, the position is never the one sampled, and only a caller that asked
-// for the divergences would read D_i. (Most positions of a good draft: the step's largest saving.)
+// Whether s_i may be left uncomputed (NaN) at a position whose coin accepts d_i: under sd and the
+// hybrid rules the coin alone then accepts, the position is never the one sampled, and only a
+// caller that asked for the statistics would read s_i. (Most positions of a good draft: the step's
+// largest saving.)
 FSD_INLINE bool coin_acceptance_settles(Rule rule, bool caller_reads_divergences) {
-  return (rule == Rule::SD || rule == Rule::FSD) && !caller_reads_divergences;
+  return rule != Rule::Greedy && !rule_traits(rule).strict && !caller_reads_divergences;
 }
 
-// Whether a coin that rejects d_i settles the rejection before D_i is known: under sd the coin
+// Whether a coin that rejects d_i settles the rejection before s_i is known: under sd the coin
 // alone decides, so the positions after it are neither accepted nor sampled from, and only a
-// caller that asked for the divergences would read theirs. (Under fsd a divergence below the
-// threshold may still accept the position.)
+// caller that asked for the divergences would read theirs. (Under a hybrid rule the test may
+// still accept the position.)
 FSD_INLINE bool coin_rejection_settles(Rule rule, bool caller_reads_divergences) {
   return rule == Rule::SD && !caller_reads_divergences;
 }
@@ -154,11 +226,8 @@ enum class Emit : int32_t {
 };
 
 FSD_INLINE Emit correction_emit(Rule rule) {
-  switch (rule) {
-    case Rule::Greedy: return Emit::TargetArgmax;
-    case Rule::FSDStrict: return Emit::TargetSample;
-    default: return Emit::Residual;
-  }
+  if (rule == Rule::Greedy) return Emit::TargetArgmax;
+  return rule_traits(rule).strict ? Emit::TargetSample : Emit::Residual;
 }
 
 // All K drafts accepted: the bonus token from p_K (greedy rule: its argmax).

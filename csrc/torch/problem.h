@@ -190,6 +190,9 @@ inline fsd::AcceptProblem make_accept_problem(const AcceptArgs& a, AcceptOutputs
   TORCH_CHECK_VALUE(a.divergence >= 0 && a.divergence < fsd::kDivergenceCount, "divergence id must be in [0, ",
                     fsd::kDivergenceCount - 1, "], got ", a.divergence);
   TORCH_CHECK_VALUE(a.div_top_k >= 0, "div_top_k must be >= 1 (or 0 for off), got ", a.div_top_k);
+  const fsd::Criterion criterion = fsd::rule_traits((fsd::Rule)a.rule).criterion;
+  TORCH_CHECK_VALUE(a.div_top_k == 0 || criterion == fsd::Criterion::None || criterion == fsd::Criterion::Divergence,
+                    "div_top_k applies to the divergence rules (fsd, fsd_strict) only, got it with rule id ", a.rule);
 
   fsd::AcceptProblem p;
   p.batch = batch;
@@ -216,7 +219,7 @@ inline fsd::AcceptProblem make_accept_problem(const AcceptArgs& a, AcceptOutputs
     p.num_draft = nd.data_ptr<int64_t>();
   }
   p.rule = (fsd::Rule)a.rule;
-  p.divergence = (fsd::Divergence)a.divergence;
+  p.divergence = fsd::statistic_divergence(p.rule, (fsd::Divergence)a.divergence);
   p.threshold = row_value(a.threshold_t, a.threshold, batch, target, kThresholdArg);
   p.temperature = row_value(a.temperature_t, a.temperature, batch, target, kTemperatureArg);
   p.div_uses_sampling = a.div_uses_sampling;

@@ -1,5 +1,5 @@
-"""The sweep's configurations: AR, SD, and FSD / FSD-strict per divergence over a threshold grid,
-greedy or sampled with several seeds."""
+"""The sweep's configurations: AR, SD, FSD / FSD-strict per divergence over a threshold grid and
+the other lenient rules over their own, greedy or sampled with several seeds."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from ..decoding.draft_length import POLICIES
-from ..types import DIVERGENCE_TABLE, DIVERGENCES, LENIENT_RULES, VerifyOptions, check_threshold
+from ..types import DIVERGENCE_RULES, DIVERGENCE_TABLE, DIVERGENCES, LENIENT_RULES, VerifyOptions, check_threshold, \
+    threshold_grids
 
 # Default threshold grids. Ranges: js in [0, ln 2], tv in [0, 1], kl/rkl/mkl unbounded; mkl is the
 # quantity the paper's code calls "js_div", so its grid brackets the paper's 0.4.
@@ -33,12 +34,17 @@ class Config:
         if self.rule not in BENCH_RULES:
             raise ValueError(f"rule must be one of {BENCH_RULES}, got {self.rule!r}")
         fuzzy = self.rule in LENIENT_RULES
-        if fuzzy and (self.divergence is None or self.threshold is None):
-            raise ValueError(f"rule {self.rule!r} needs a divergence in {DIVERGENCES} and a threshold")
+        if self.rule in DIVERGENCE_RULES and self.divergence is None:
+            raise ValueError(f"rule {self.rule!r} needs a divergence in {DIVERGENCES}")
+        if fuzzy and self.threshold is None:
+            raise ValueError(f"rule {self.rule!r} needs a threshold")
         if fuzzy:
-            VerifyOptions(self.rule, self.divergence, self.threshold, self.div_temperature).check(per_row=False)
-        if not fuzzy and (self.divergence is not None or self.threshold is not None):
-            raise ValueError(f"rule {self.rule!r} takes no divergence or threshold")
+            VerifyOptions(self.rule, self.divergence or "js", self.threshold,
+                          self.div_temperature).check(per_row=False)
+        if self.rule not in DIVERGENCE_RULES and self.divergence is not None:
+            raise ValueError(f"rule {self.rule!r} takes no divergence")
+        if not fuzzy and self.threshold is not None:
+            raise ValueError(f"rule {self.rule!r} takes no threshold")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.rule != "ar" and not self.num_draft_tokens >= 1:
@@ -59,7 +65,7 @@ class Config:
         """Identifies the configuration with seeds pooled (one summary row)."""
         parts = [self.rule]
         if self.rule in LENIENT_RULES:
-            parts += [self.divergence, f"T={self.threshold:g}"]
+            parts += ([self.divergence] if self.divergence else []) + [f"T={self.threshold:g}"]
             if self.div_temperature != 1.0:
                 parts.append(f"div_t={self.div_temperature}")
         if self.rule != "ar":
@@ -83,8 +89,10 @@ class Config:
             length += f" K={self.num_draft_tokens}"
         if self.rule == "sd":
             return "SD" + length
-        name = "FSD" if self.rule == "fsd" else "FSD-strict"
-        return f"{name} {self.divergence} T={self.threshold:g}{length}"
+        if self.rule in DIVERGENCE_RULES:
+            name = "FSD" if self.rule == "fsd" else "FSD-strict"
+            return f"{name} {self.divergence} T={self.threshold:g}{length}"
+        return f"{self.rule} T={self.threshold:g}{length}"
 
     def generate_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments of fsd_ext.generate for this configuration."""
@@ -95,8 +103,9 @@ class Config:
         if self.top_p is not None:
             kwargs["top_p"] = self.top_p
         if self.rule in LENIENT_RULES:
-            kwargs.update(divergence=self.divergence, threshold=self.threshold,
-                          div_temperature=self.div_temperature)
+            kwargs.update(threshold=self.threshold, div_temperature=self.div_temperature)
+        if self.divergence is not None:
+            kwargs["divergence"] = self.divergence
         return kwargs
 
 
@@ -105,9 +114,10 @@ def build_grid(rules: Sequence[str] = BENCH_RULES, divergences: Sequence[str] = 
                top_p: Optional[float] = None, seeds: Sequence[int] = (0,), num_draft_tokens: int = 5,
                div_temperature: Optional[float] = 1.0,
                draft_lengths: Sequence[str] = ("fixed",)) -> List[Config]:
-    """AR and SD first (the references), then FSD and FSD-strict per divergence and threshold, each
-    speculative configuration once per draft-length policy. Greedy decoding uses only the first
-    seed (the seed changes nothing)."""
+    """AR and SD first (the references), then FSD and FSD-strict per divergence and threshold and
+    the other lenient rules per threshold (`thresholds` keys: divergences, and rule names for the
+    others), each speculative configuration once per draft-length policy. Greedy decoding uses only
+    the first seed (the seed changes nothing)."""
     unknown = set(rules) - set(BENCH_RULES)
     if unknown:
         raise ValueError(f"unknown rules {sorted(unknown)}; choose from {BENCH_RULES}")
@@ -127,17 +137,18 @@ def build_grid(rules: Sequence[str] = BENCH_RULES, divergences: Sequence[str] = 
         for rule in LENIENT_RULES:
             if rule not in rules:
                 continue
-            for divergence in divergences:
+            for divergence in (divergences if rule in DIVERGENCE_RULES else (None,)):
+                ts = grid.get(divergence or rule) or threshold_grids(rule, divergence or "js")[1]
                 configs += [Config(rule, divergence, float(t), seed=seed, draft_length=n,
                                    div_temperature=div_temperature, **common)
-                            for n in draft_lengths for t in grid[divergence]]
+                            for n in draft_lengths for t in ts]
     return configs
 
 
 def parse_config(spec: str, **common) -> Config:
-    """One configuration from 'ar', 'sd', 'sd:heuristic', 'fsd:js:0.2' or 'fsd:rkl:0.5:acceptance:K=8'
-    (rule[:divergence:threshold][:draft_length][:K=n]); `common` fills the other fields
-    (temperature, num_draft_tokens, ...)."""
+    """One configuration from 'ar', 'sd', 'sd:heuristic', 'fsd:js:0.2', 'fsd:rkl:0.5:acceptance:K=8'
+    or 'typical:11.1' (rule[:divergence]:threshold[:draft_length][:K=n], the divergence for fsd and
+    fsd_strict only); `common` fills the other fields (temperature, num_draft_tokens, ...)."""
     parts = [p.strip() for p in spec.split(":")]
     rule, rest = parts[0], parts[1:]
     fuzzy = rule in LENIENT_RULES
@@ -145,9 +156,12 @@ def parse_config(spec: str, **common) -> Config:
     try:
         if rest and rest[-1].startswith("K="):
             fields["num_draft_tokens"] = int(rest.pop()[2:])
-        if fuzzy:
+        if rule in DIVERGENCE_RULES:
             fields.update(divergence=rest[0], threshold=float(rest[1]))
             rest = rest[2:]
+        elif fuzzy:
+            fields.update(threshold=float(rest[0]))
+            rest = rest[1:]
         if len(rest) > 1:
             raise ValueError("too many fields")
         if rest:
@@ -156,20 +170,23 @@ def parse_config(spec: str, **common) -> Config:
             fields.pop("div_temperature", None)  # as build_grid: only FSD rows take it
         return Config(rule, **fields)
     except (IndexError, ValueError, TypeError) as error:
-        raise ValueError(f"--config expects rule[:divergence:threshold][:draft_length][:K=n], e.g. "
-                         f"'sd:heuristic' or 'fsd:js:0.2:acceptance:K=8', got {spec!r} ({error})") from None
+        raise ValueError(f"--config expects rule[:divergence]:threshold[:draft_length][:K=n], e.g. "
+                         f"'sd:heuristic', 'fsd:js:0.2:acceptance:K=8' or 'typical:11.1', got {spec!r} "
+                         f"({error})") from None
 
 
 def parse_thresholds(text: Optional[str]) -> Dict[str, tuple]:
-    """'js=0.1,0.2;rkl=0.5,1' -> {'js': (0.1, 0.2), 'rkl': (0.5, 1.0)}."""
+    """'js=0.1,0.2;rank=1,3' -> {'js': (0.1, 0.2), 'rank': (1.0, 3.0)}: a divergence's grid (fsd,
+    fsd_strict) or another lenient rule's."""
     out: Dict[str, tuple] = {}
     for part in (text or "").split(";"):
         if not part.strip():
             continue
         name, _, values = part.partition("=")
         name = name.strip()
-        if name not in DIVERGENCES or not values.strip():
-            raise ValueError(f"--thresholds expects 'div=t1,t2;div=...' with div in {DIVERGENCES}, got {part!r}")
+        names = DIVERGENCES + tuple(r for r in LENIENT_RULES if r not in DIVERGENCE_RULES)
+        if name not in names or not values.strip():
+            raise ValueError(f"--thresholds expects 'name=t1,t2;name=...' with name in {names}, got {part!r}")
         thresholds = tuple(float(v) for v in values.split(",") if v.strip())
         for t in thresholds:
             check_threshold(t, f"each threshold of {name}", per_row=False)

@@ -23,10 +23,11 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from .loop import generate
-from ..types import DIVERGENCE_TABLE, LENIENT_RULES, VerifyOptions, check_threshold
+from ..types import DIVERGENCE_TABLE, LENIENT_RULES, VerifyOptions, check_threshold, threshold_grids
 
 # Default candidates per divergence (fsd_ext.types.DIVERGENCE_TABLE): doubling grids inside each
-# divergence's range (js <= ln 2, tv <= 1; kl, rkl and mkl are unbounded: up to 6.4 nats).
+# divergence's range (js <= ln 2, tv <= 1; kl, rkl and mkl are unbounded: up to 6.4 nats). The other
+# lenient rules have their own (types.RULE_TABLE; types.threshold_grids picks).
 CALIBRATION_GRID: Dict[str, tuple] = {d.name: d.calibration_grid for d in DIVERGENCE_TABLE}
 CALIBRATE_RULES = LENIENT_RULES
 # generate() arguments that calibrate sets itself.
@@ -174,7 +175,7 @@ def check_calibrate_options(*, rule, divergence, max_deviation, thresholds, temp
         raise ValueError(f"refine_steps must be an int >= 0, got {refine_steps!r}")
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"seed must be an int, got {seed!r}")
-    grid = CALIBRATION_GRID[divergence] if thresholds is None else list(thresholds)
+    grid = threshold_grids(rule, divergence)[0] if thresholds is None else list(thresholds)
     if not grid:
         raise ValueError("thresholds must be a non-empty list of finite floats >= 0")
     for t in grid:
@@ -195,11 +196,11 @@ def calibrate(target, draft, prompts, *, divergence: str = "js",
     pooled over `prompts`, is at most `max_deviation`.
 
     Each prompt is decoded alone (batch 1) with fsd_ext.generate at each threshold tried. The
-    candidates (`thresholds`, default CALIBRATION_GRID[divergence]) are tried in ascending order up
-    to the first whose share is over budget; then `refine_steps` bisections between the last one
-    within budget and that one. This assumes the share grows with T and nothing more: the answer is
-    always a threshold measured within budget, or 0.0 when no candidate is (for rule "fsd" T = 0 is
-    exactly SD, with share 0; for "fsd_strict" it accepts only drafts whose divergence is 0). Cost:
+    candidates (`thresholds`, default types.threshold_grids(rule, divergence)) are tried in ascending
+    order up to the first whose share is over budget; then `refine_steps` bisections between the last
+    one within budget and that one. This assumes the share grows with T and nothing more: the answer
+    is always a threshold measured within budget, or 0.0 when no candidate is (for the hybrid rules
+    T = 0 is exactly SD, with share 0; for the strict ones it accepts no draft). Cost:
     up to (candidates tried + refine_steps) x len(prompts) decodes.
 
     Under greedy decoding (temperature 0) the count is exact and free. Under sampling generate
@@ -209,7 +210,8 @@ def calibrate(target, draft, prompts, *, divergence: str = "js",
     Args:
         target, draft: Hugging Face causal LMs sharing a tokenizer, as for fsd_ext.generate.
         prompts: non-empty list of 1-D token-id sequences (int tensors or lists of ints), unpadded.
-        divergence: one of fsd_ext.DIVERGENCES. rule: "fsd" (default) or "fsd_strict".
+        divergence: one of fsd_ext.DIVERGENCES (fsd, fsd_strict). rule: one of fsd_ext.LENIENT_RULES
+            (default "fsd"; docs/design.md 2.5).
         max_deviation: the budget, a float in [0, 1]; or a list of them, one search each sharing
             the decodes of the thresholds they have in common, which returns a list.
         thresholds: candidates (floats >= 0, finite) instead of the default grid.

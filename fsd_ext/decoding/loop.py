@@ -359,8 +359,10 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         target, draft: Hugging Face causal LMs on the same device with one tokenizer (draft
             vocabulary <= target vocabulary). `draft` may be None for rule="ar".
         input_ids: [B, P] int prompts, left-padded; attention_mask: [B, P] 0/1 (None = no padding).
-        rule: "ar" (target alone), "greedy", "sd", "fsd" (default) or "fsd_strict".
-        divergence, threshold, div_temperature: the FSD test D_i < T (fsd, fsd_strict).
+        rule: "ar" (target alone), "greedy", "sd", "fsd" (default), "fsd_strict" or another
+            lenient rule of fsd_ext.LENIENT_RULES (docs/design.md 2.5).
+        divergence, threshold, div_temperature: the FSD test D_i < T (fsd, fsd_strict); the other
+            lenient rules take their knob as threshold and read div_temperature's distributions.
         num_draft_tokens: K, the most drafts per verification (all of them under "fixed").
         draft_length: how many of the K drafts each row proposes per step (docs/generate.md, "Draft
             length"): "fixed" (K); "confidence" (a row stops after a draft whose draft

@@ -172,7 +172,7 @@ def generate(model, input_ids: torch.Tensor, logits_processor=None, stopping_cri
     model.generate:
 
         draft_model: the draft causal LM (same tokenizer; required unless fsd_rule="ar").
-        fsd_rule: "fsd" (default), "fsd_strict", "sd", "greedy" or "ar".
+        fsd_rule: "fsd" (default), any rule of fsd_ext.RULES (docs/design.md 2.5), or "ar".
         fsd_divergence, fsd_threshold, fsd_div_temperature: the FSD test (fsd_ext.generate's
             divergence, threshold, div_temperature).
         fsd_num_draft_tokens: K, the most drafts per step (default: num_assistant_tokens if set,

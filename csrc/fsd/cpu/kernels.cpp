@@ -134,9 +134,32 @@ struct AcceptKernel {
                                    target_exps);
     const Dist q = divergence_dist(draft_row(b, i), pb.draft_vocab, d, pb.div_uses_sampling, div_tau,
                                    draft_exps);
-    pb.divergences[b * k + i] = divergence(pb.divergence, target_row(b, i), pb.target_vocab, p,
-                                           draft_row(b, i), pb.draft_vocab, q, pb.div_top_k,
-                                           scratch.filter, target_exps, draft_exps);
+    const float sum = statistic_reads_sum(pb.rule)
+                          ? divergence(pb.divergence, target_row(b, i), pb.target_vocab, p, draft_row(b, i),
+                                       pb.draft_vocab, q, pb.div_top_k, scratch.filter, target_exps, draft_exps)
+                          : kNaN;
+    pb.divergences[b * k + i] = statistic(b, i, sum, p, q);
+  }
+
+  // s_i of rules.h from the sum and the divergence distributions p~, q~ of position i.
+  float statistic(int64_t b, int64_t i, float sum, const Dist& p, const Dist& q) const {
+    const Criterion criterion = rule_traits(pb.rule).criterion;
+    if (criterion == Criterion::None || criterion == Criterion::Divergence) return sum;
+    const int64_t token = draft_token(b, i);
+    if (token < 0 || token >= pb.draft_vocab) return kNaN;  // an invalid row
+    const T* target = target_row(b, i);
+    const float pivot = load_logit(target, token);
+    StatisticInputs in{sum, p.log_prob_precise(pivot, token), p.log_max_prob(), q.log_max_prob(), 0.0, 0.0, 0.0, 0.0};
+    if (criterion == Criterion::Rank) {
+      int64_t above = 0;
+      for (int64_t j = 0; j < pb.target_vocab; ++j) above += load_logit(target, j) > pivot;
+      in.rank = (double)above;
+    }
+    if (criterion == Criterion::Lenience) {
+      const Coin c = coin(b, i, token);
+      in.coin = c.u, in.p_token = c.p_token, in.q_token = c.q_token;
+    }
+    return (float)rule_statistic(pb.rule, in);
   }
 
   // p_i(d_i) and q_i(d_i) (sampling distributions; 0 under the greedy rule, which never reads them)

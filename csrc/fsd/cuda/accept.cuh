@@ -56,6 +56,7 @@ struct FilterInfo {
 // Per (row, position): the full-row sampling distributions, written by the chunk-0 block.
 struct PositionInfo {
   Dist p, q;
+  Dist pd, qd;  // the distributions the divergence compares (a rule's statistic reads them)
   int32_t flags_t, flags_d;
   int32_t argmax_t;
   int32_t pad;
@@ -222,6 +223,24 @@ __device__ __forceinline__ bool position_accepts(const AcceptProblem& pb, int64_
   return accept_draft(pb.rule, divergence, pb.threshold.at(b), coin, p_token, q_token, drafted.token == argmax_t);
 }
 
+// s_i of rules.h at draft position i of row b from its records: the pass-2 sum (D, H or TV, nats),
+// the rank count, and the position's distributions, coin and draft_logits_of(i). The divergence
+// criterion's s_i is the sum itself.
+__device__ __forceinline__ float position_statistic(const AcceptProblem& pb, int64_t b, int64_t i, const PositionInfo& info,
+                                                    double sum, double rank, const DraftLogits& drafted) {
+  const Criterion criterion = rule_traits(pb.rule).criterion;
+  if (criterion == Criterion::None || criterion == Criterion::Divergence) return (float)sum;
+  const StatisticInputs in{sum,
+                           info.pd.log_prob_precise(drafted.target, drafted.token),
+                           info.pd.log_max_prob(),
+                           info.qd.log_max_prob(),
+                           rank,
+                           draw_uniform(pb.key, b, i, Purpose::Accept),
+                           exp(info.p.log_prob_precise(drafted.target, drafted.token)),
+                           exp(info.q.log_prob_precise(drafted.draft, drafted.token))};
+  return (float)rule_statistic(pb.rule, in);
+}
+
 // The filter records of a (row, position) slot, target then draft; nullptr where there are none
 // (no filter, or the split path: the planner never splits a filtered call).
 __device__ __forceinline__ const FilterInfo* slot_filters(const AcceptWorkspace& ws, int64_t slot) {
@@ -272,7 +291,7 @@ __device__ __forceinline__ bool draws_from_p(Rule rule, int64_t i, int64_t nd, b
 // The pass-2 record of a chunk whose position skipped pass 2: D_i reads NaN.
 __device__ __forceinline__ PassTwo skipped_pass_two() {
   const double nan = __longlong_as_double(0x7FF8000000000000LL);
-  return PassTwo{nan, nan, nan, nan};
+  return PassTwo{nan, nan, nan, nan, nan};
 }
 
 enum SampleMode : int32_t { kModeDone = 0, kModeTarget = 1, kModeResidual = 2 };
@@ -342,8 +361,15 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
         sums.rest_p = warp_sum_chunks(splits, [&](int64_t c) { return __ldcg(&parts[c].rest_p); });
         sums.rest_q = warp_sum_chunks(splits, [&](int64_t c) { return __ldcg(&parts[c].rest_q); });
       }
-      if ((threadIdx.x & 31) == 0)  // (NaN: pass 2 was skipped, a coin accepts the position)
-        pb.divergences[b * k + i] = sums.div == sums.div ? finish_pass_two(pb.divergence, sums, bucketed) : kNaN;
+      if (rule_traits(pb.rule).criterion == Criterion::Rank)
+        sums.rank = warp_sum_chunks(splits, [&](int64_t c) { return __ldcg(&parts[c].rank); });
+      if ((threadIdx.x & 31) == 0) {  // (NaN: pass 2 was skipped, a coin accepts the position)
+        const DraftLogits drafted = i == threadIdx.x ? own_drafted : draft_logits_of<T>(pb, b, i);
+        pb.divergences[b * k + i] =
+            sums.div == sums.div ? position_statistic(pb, b, i, load_coherent(infos + i),
+                                                      finish_pass_two(pb.divergence, sums, bucketed), sums.rank, drafted)
+                                 : kNaN;
+      }
     }
   }
   __syncthreads();
@@ -463,6 +489,7 @@ __device__ void finish_row(const AcceptProblem& pb, const AcceptWorkspace& ws, i
 struct DecideShared {
   Dist dists[4];  // p, q, pd, qd
   TopBuckets top;
+  float rank_pivot;  // the rank criterion: the target logit of the drafted id
   int32_t good;
   bool accepted_early;  // this position is accepted whatever pass 2 finds, so pass 2 is skipped
   bool last_block;
@@ -500,8 +527,9 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
       // The coin's inputs first: these loads (the draft id, then the logits there) overlap the
       // combine's instead of following it on this block's critical path.
       const bool coin_first = coin_acceptance_settles(pb.rule, pb.caller_reads_divergences()) && i < nd;
+      const bool ranks = rule_traits(pb.rule).criterion == Criterion::Rank && i < nd;
       DraftLogits drafted{-1, 0.0f, 0.0f};
-      if (threadIdx.x == 0 && coin_first) drafted = draft_logits_of<T>(pb, b, i);
+      if (threadIdx.x == 0 && (coin_first || ranks)) drafted = draft_logits_of<T>(pb, b, i);
       const PositionView view = warp_view_position(pb, ws, b, i, nd, temps);
       if (threadIdx.x == 0) {
         const FilterInfo* filters = slot_filters(ws, slot);
@@ -519,7 +547,10 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
           t.tie_last = filters->tie_last;
         }
         sh.top = t;
-        if (c == 0) ws.positions[b * positions + i] = PositionInfo{p, q, st_t.flags, st_d.flags, st_t.argmax, 0};
+        sh.rank_pivot = drafted.target;
+        if (c == 0)
+          ws.positions[b * positions + i] =
+              PositionInfo{p, q, sh.dists[2], sh.dists[3], st_t.flags, st_d.flags, st_t.argmax, 0};
         // A position whose coin accepts the draft is accepted whatever pass 2 finds (sd, and fsd
         // without returned divergences: rules.h), and its residual is never sampled: pass 2 is
         // skipped. finish_row then sees D_i = NaN and flips the same coin.
@@ -537,7 +568,7 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
     FSD_TRACE(pb, kTraceDists);
     if (after_rejection && threadIdx.x == 0)  // nothing reads the record; NaN rather than stale
       ws.pass_two[(b * positions + i) * splits + c] = skipped_pass_two();
-    const bool need_residual = (pb.rule == Rule::SD || pb.rule == Rule::FSD) && !temps.greedy;
+    const bool need_residual = correction_emit(pb.rule) == Emit::Residual && !temps.greedy;
     const bool used = sh.good && !sh.accepted_early && !after_rejection;
     const bool run_pass_two = used && i < nd && (pb.need_divergence || need_residual);
     // Where the draw at i would come from p and the vocabulary is split, the chunk's total of p's
@@ -558,6 +589,13 @@ __device__ __forceinline__ void decide_position(const AcceptProblem& pb, const A
         sums = cub::BlockReduce<PassTwo, kThreads>(sh.temp.reduce).Reduce(acc, PassTwoSum());
         if (tb.on && pb.need_divergence)
           exact_tiny_rests(target, draft, begin, end, pb.draft_vocab, pd, qd, tb, sums);
+        if (rule_traits(pb.rule).criterion == Criterion::Rank) {  // the chunk's ids above d's logit
+          __syncthreads();  // the scan's storage overlays the reduction's
+          const float pivot = sh.rank_pivot;
+          sums.rank = block_weight_total(
+              begin, end, [&](int64_t j) { return load_logit(target + j) > pivot ? 1.0f : 0.0f; },
+              sh.temp.final_shared.scan);
+        }
         FSD_TRACE(pb, kTracePassTwo);
       }
       if (sum_p) {  // (need_residual is false here: draw_mass was free)

@@ -25,6 +25,7 @@ struct PassTwo {
   // (the bonus position, FSD-strict's corrections) and the vocabulary is split, p's weights exp(s),
   // summed as the draw's scan adds them (accept.cuh, decide_position).
   double draw_mass = 0.0;
+  double rank = 0.0;  // the rank criterion: target logits above the drafted id's (accept.cuh)
 };
 
 struct DeviceLog {
@@ -132,6 +133,7 @@ struct PassTwoSum {
     out.rest_p = a.rest_p + b.rest_p;
     out.rest_q = a.rest_q + b.rest_q;
     out.draw_mass = a.draw_mass + b.draw_mass;
+    out.rank = a.rank + b.rank;
     return out;
   }
 };

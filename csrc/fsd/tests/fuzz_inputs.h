@@ -269,15 +269,15 @@ inline void random_accept_case(Rng& rng, AcceptCase& c, int64_t max_batch = 5, i
   c.temperatures.resize(batch);
   c.div_temperatures.resize(batch);
   for (int64_t b = 0; b < batch; ++b) {
-    c.thresholds[b] = rng.pick((const float[]){0.0f, 1e-7f, 0.4f, 50.0f, kInf});
+    c.thresholds[b] = rng.pick((const float[]){0.0f, 1e-7f, 0.4f, 1.5f, 3.0f, 50.0f, kInf});
     c.temperatures[b] = rng.pick(kTemperatures);
     c.div_temperatures[b] = rng.pick((const float[]){1e-38f, 0.5f, 1.0f, 1e20f});
   }
 
   fsd::AcceptProblem& p = c.problem;
   bind_accept_problem(c, batch, k, ragged, int32);
-  p.rule = (fsd::Rule)rng.integer(0, 3);
-  p.divergence = (fsd::Divergence)rng.integer(0, 4);
+  p.rule = (fsd::Rule)rng.integer(0, fsd::kRuleCount - 1);
+  p.divergence = fsd::statistic_divergence(p.rule, (fsd::Divergence)rng.integer(0, fsd::kDivergenceCount - 1));
   if (rng.uniform() < 0.5) p.threshold.per_row = c.thresholds.data();
   else p.threshold.scalar = c.thresholds.empty() ? 0.3f : c.thresholds[0];
   if (rng.uniform() < 0.5) p.temperature.per_row = c.temperatures.data();
@@ -286,6 +286,8 @@ inline void random_accept_case(Rng& rng, AcceptCase& c, int64_t max_batch = 5, i
   else p.div_temperature.scalar = 1.0f;
   p.div_uses_sampling = rng.uniform() < 0.25;
   p.div_top_k = rng.uniform() < 0.3 ? rng.pick((const int64_t[]){1, 3}) + (rng.uniform() < 0.3 ? vt : 0) : 0;
+  const fsd::Criterion criterion = fsd::rule_traits(p.rule).criterion;
+  if (criterion != fsd::Criterion::None && criterion != fsd::Criterion::Divergence) p.div_top_k = 0;  // (refused)
   p.filter = random_filter(rng, vt);
   p.key = random_key(rng, c.key_storage, batch);
   p.divergences_wanted = rng.uniform() < 0.5;
