@@ -169,6 +169,10 @@ def _criterion_statistic(criterion: str, logp: torch.Tensor, logq: torch.Tensor,
     if criterion == "rank":  # target logits above d's, k = T
         pivot = target_logits.gather(-1, drafts[..., None])
         return (target_logits > pivot).sum(-1).to(logp.dtype)
+    if criterion == "cascade":  # (max p~ - max q~) / TV + 1 in [0, 2], alpha = T - 1
+        tv = divergence_from_logprobs(logp, logq, "tv")
+        ratio = (logp.amax(-1).exp() - logq.amax(-1).exp()) / tv + 1.0
+        return torch.where(tv > 0, ratio.clamp(0.0, 2.0), 0.0)
     raise ValueError(f"unknown criterion {criterion!r}")
 
 

@@ -36,6 +36,7 @@ class DivergenceSpec(NamedTuple):
 _UNBOUNDED_GRID = (0.0125, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4)  # up to 6.4 nats
 _TYPICAL_GRID = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
 _TOP_K_GRID = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 32.0)
+_CASCADE_GRID = (0.125, 0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0)
 # Index = the integer the C++ core uses (csrc/fsd/common.h). Never reorder. docs/design.md section 2.
 RULE_TABLE = (
     RuleSpec("greedy", None, False, "keep d while it is the target's argmax"),
@@ -54,6 +55,8 @@ RULE_TABLE = (
              "k = T (d's rank < T)", _TOP_K_GRID, (1.0, 2.0, 3.0, 5.0, 10.0)),
     RuleSpec("rank_strict", "rank", True, "keep d iff it is among the k most likely ids of p (TensorRT-LLM)",
              "k = T", _TOP_K_GRID, (1.0, 2.0, 3.0, 5.0, 10.0)),
+    RuleSpec("cascade", "cascade", False, "keep d if SD would or max q >= max p - alpha TV(p, q) (speculative cascades)",
+             "alpha = T - 1", _CASCADE_GRID, (0.5, 1.0, 1.25, 1.5, 1.75, 2.0)),
 )
 DIVERGENCE_TABLE = (
     DivergenceSpec("kl", "KL(p || q)", _UNBOUNDED_GRID, (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)),

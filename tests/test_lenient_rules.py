@@ -22,8 +22,9 @@ from test_statistics import DRAFT, N, TARGET, assert_does_not_follow, assert_fol
 OTHER_LENIENT = tuple(r.name for r in RULE_TABLE if r.criterion not in (None, "divergence"))
 DETERMINISTIC = tuple(r for r in OTHER_LENIENT if r != "lenient_sd")  # tests that read no coin
 # A knob per rule at which the test holds for some drafts and not for others (TARGET / DRAFT).
+# (Cascade's test reads the position, not x: at 1.3 it keeps every draft of this pair.)
 KNOB = {"typical": 3.0, "typical_strict": 3.0, "lenient_sd": 0.7, "prob_floor": 2.0, "rank": 3.0,
-        "rank_strict": 3.0}
+        "rank_strict": 3.0, "cascade": 1.3}
 
 
 def statistic_per_token(rule, temperature=1.0):
@@ -48,6 +49,9 @@ def source_test(rule, threshold):
         return p > math.exp(-threshold)
     if criterion == "rank":  # x among the k most likely ids of p
         return torch.tensor([int((p > p[x]).sum()) < threshold for x in range(p.numel())])
+    if criterion == "cascade":  # keep q (no deferral) when max q >= max p - alpha TV (strict here)
+        alpha, tv = threshold - 1.0, 0.5 * (p - q).abs().sum()
+        return torch.full_like(p, bool(q.max() > p.max() - alpha * tv), dtype=torch.bool)
     raise AssertionError(rule)
 
 

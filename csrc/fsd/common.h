@@ -24,9 +24,9 @@ namespace fsd {
 // the op ABI (the Python front end passes them as ints), so never renumber.
 enum class Rule : int32_t {
   Greedy = 0, SD = 1, FSD = 2, FSDStrict = 3,
-  Typical = 4, TypicalStrict = 5, LenientSD = 6, ProbFloor = 7, Rank = 8, RankStrict = 9,
+  Typical = 4, TypicalStrict = 5, LenientSD = 6, ProbFloor = 7, Rank = 8, RankStrict = 9, Cascade = 10,
 };
-constexpr int32_t kRuleCount = 10;
+constexpr int32_t kRuleCount = 11;
 
 // Divergences of docs/design.md section 2.4. Same ABI note as Rule. Entropy is not one a caller picks
 // (kDivergenceCount counts those): it is the typical rules' sum, H(p), which ignores q.

@@ -125,6 +125,7 @@ enum class Criterion : int32_t {
   Lenience,    // lenient SD with l = e^{-T}: s = log(u q(d) / p(d))
   ProbFloor,   // target-probability floor t = e^{-T}: s = -log p~(d)
   Rank,        // top-k lenience with k = T: s = d's rank, the number of target logits above d's
+  Cascade,     // cascade deferral with alpha = T - 1: s = (max p~ - max q~) / TV(p~, q~) + 1
 };
 struct RuleTraits {
   Criterion criterion;
@@ -140,6 +141,7 @@ FSD_INLINE RuleTraits rule_traits(Rule rule) {
     case Rule::ProbFloor: return {Criterion::ProbFloor, false};
     case Rule::Rank: return {Criterion::Rank, false};
     case Rule::RankStrict: return {Criterion::Rank, true};
+    case Rule::Cascade: return {Criterion::Cascade, false};
     default: return {Criterion::None, false};
   }
 }
@@ -148,7 +150,7 @@ FSD_INLINE bool rule_needs_divergence(Rule rule) { return rule_traits(rule).crit
 
 // The vocabulary sum a rule's statistic reads, which the kernels compute as they compute a
 // divergence (AcceptProblem::divergence holds it): the chosen divergence under fsd (and for the
-// D_i that sd and greedy return on request), H(p~) for typical. The other criteria
+// D_i that sd and greedy return on request), H(p~) for typical, TV for cascade. The other criteria
 // read no sum (statistic_reads_sum); they name TV, which the CUDA kernels add up alongside the
 // residual they need anyway, and which the CPU kernel skips.
 FSD_INLINE Divergence statistic_divergence(Rule rule, Divergence chosen) {
@@ -161,7 +163,7 @@ FSD_INLINE Divergence statistic_divergence(Rule rule, Divergence chosen) {
 }
 FSD_INLINE bool statistic_reads_sum(Rule rule) {
   const Criterion c = rule_traits(rule).criterion;
-  return c == Criterion::None || c == Criterion::Divergence || c == Criterion::Typical;
+  return c == Criterion::None || c == Criterion::Divergence || c == Criterion::Typical || c == Criterion::Cascade;
 }
 
 // What the statistic of draft position i (token d) is computed from. p~, q~: the distributions the
@@ -185,6 +187,12 @@ FSD_INLINE double rule_statistic(Rule rule, const StatisticInputs& in) {
     case Criterion::Lenience: return in.p_token > 0.0 ? ::log(in.coin * in.q_token) - ::log(in.p_token) : HUGE_VAL;
     case Criterion::ProbFloor: return -in.log_p_token;
     case Criterion::Rank: return in.rank;
+    case Criterion::Cascade: {
+      if (!(in.sum > 0.0)) return 0.0;  // p~ = q~: the test holds for every T > 0
+      // |max p~ - max q~| <= TV: s in [0, 2] up to rounding
+      const double s = (::exp(in.log_max_p) - ::exp(in.log_max_q)) / in.sum + 1.0;
+      return s < 0.0 ? 0.0 : s > 2.0 ? 2.0 : s;
+    }
     default: return in.sum;
   }
 }
