@@ -16,6 +16,7 @@ import torch
 pytestmark = pytest.mark.vllm
 vllm = pytest.importorskip("vllm")
 
+import fsd_ext  # noqa: E402
 from fsd_ext.engines import vllm as plugin  # noqa: E402
 
 K = 3
@@ -114,6 +115,27 @@ def test_fsd_verify_ragged_batch_and_bonus():
     tokens, _ = plugin.fsd_verify(plugin.FsdConfig(rule="fsd"), drafts, [2, 0, 3], 3, draft_probs,
                                   target, bonus, _metadata(), torch.full((3,), math.inf))
     assert tokens.tolist() == [[1, 2, 7, -1], [6, -1, -1, -1], [3, 4, 5, 0]]
+
+
+@pytest.mark.parametrize("rule", [r for r in fsd_ext.LENIENT_RULES if r not in ("fsd", "fsd_strict")])
+def test_fsd_verify_takes_every_lenient_rule(rule):
+    """The other lenient rules through the plug-in's verification: T = 0 is SD's result (a strict
+    rule keeps no draft); T = inf keeps every draft whose target probability is not 0."""
+    vocab = 8
+    target = torch.full((3, vocab), -5.0)
+    target[:, 6] = 5.0
+    draft_probs = torch.full((3, vocab), 0.02)
+    draft_probs[:, 2] = 0.86
+    drafts = torch.tensor([2, 2, 2], dtype=torch.int32)
+    args = (drafts, [3], 3, draft_probs, target, torch.tensor([[1]]), _metadata(all_greedy=False))
+    torch.manual_seed(0)  # (the plug-in draws the rows' seeds from torch's generator)
+    sd, _ = plugin.fsd_verify(plugin.FsdConfig(rule="sd"), *args, torch.zeros(1))
+    torch.manual_seed(0)
+    exact, valid = plugin.fsd_verify(plugin.FsdConfig(rule=rule), *args, torch.zeros(1))
+    assert valid.all()
+    assert exact.tolist() == ([[6, -1, -1, -1]] if fsd_ext.types.rule_spec(rule).strict else sd.tolist())
+    lenient, _ = plugin.fsd_verify(plugin.FsdConfig(rule=rule), *args, torch.full((1,), math.inf))
+    assert lenient.tolist() == [[2, 2, 2, 1]]
 
 
 def test_fsd_verify_mixed_batch():
