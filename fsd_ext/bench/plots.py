@@ -1,17 +1,29 @@
 """The sweep's plots (matplotlib, Agg backend): frontier.png, pass_vs_accepted.png,
-threshold_vs_acceptance.png."""
+threshold_vs_acceptance.png, and rules_frontier.png (pass@1 against tokens per target call, one line
+per lenient rule)."""
 
 from __future__ import annotations
 
 import os
 from typing import Any, Dict, List, Sequence
 
-from ..types import DIVERGENCES
+from ..types import DIVERGENCE_RULES, DIVERGENCES, LENIENT_RULES, rule_spec
 from .summary import _reference_row, pareto_front
 
 _DIV_COLORS = {"js": "tab:blue", "rkl": "tab:orange", "kl": "tab:green", "tv": "tab:purple",
                "mkl": "tab:brown"}
-_RULE_MARKERS = {"fsd": "o", "fsd_strict": "^"}
+_RULE_COLORS = {"typical": "tab:olive", "typical_strict": "tab:olive", "lenient_sd": "tab:cyan",
+                "prob_floor": "tab:pink", "rank": "tab:gray", "rank_strict": "tab:gray", "cascade": "tab:red"}
+
+
+def _style(rule: str, divergence: str):
+    """(name, color, marker) of a lenient rule's points: fsd colored by divergence, the others by
+    rule; strict forms as triangles."""
+    marker = "^" if rule_spec(rule).strict else "o"
+    if rule in DIVERGENCE_RULES:
+        name = "FSD" if rule == "fsd" else "FSD-strict"
+        return f"{name} {divergence}", _DIV_COLORS.get(divergence, "gray"), marker
+    return rule, _RULE_COLORS.get(rule, "gray"), marker
 
 
 def _pyplot():
@@ -29,10 +41,8 @@ def _scatter_rows(ax, rows, xkey, annotate=True):
         elif r["rule"] == "sd":
             ax.scatter(x, y, marker="s", s=110, color="red", zorder=5, label="SD")
         else:
-            name = "FSD" if r["rule"] == "fsd" else "FSD-strict"
-            ax.scatter(x, y, marker=_RULE_MARKERS[r["rule"]], s=50, zorder=4,
-                       color=_DIV_COLORS.get(r["divergence"], "gray"),
-                       label=f"{name} {r['divergence']}")
+            name, color, marker = _style(r["rule"], r["divergence"])
+            ax.scatter(x, y, marker=marker, s=50, zorder=4, color=color, label=name)
             if annotate:
                 ax.annotate(f"{r['threshold']:g}", (x, y), textcoords="offset points",
                             xytext=(4, 4), fontsize=7, color="dimgray")
@@ -91,6 +101,25 @@ def plot_all(rows: Sequence[Dict[str, Any]], out_dir: str, title: str = "") -> L
         ax.legend(fontsize=8)
     fig.suptitle("Threshold vs acceptance" + suffix, fontsize=10)
     paths.append(_save(fig, plt, out_dir, "threshold_vs_acceptance.png"))
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for r in rows:
+        if r["rule"] in ("ar", "sd"):
+            _scatter_rows(ax, [r], "tokens_per_target_call", annotate=False)
+    lines = sorted({(r["rule"], r["divergence"]) for r in rows if r["rule"] in LENIENT_RULES})
+    for rule, divergence in lines:
+        name, color, marker = _style(rule, divergence)
+        pts = sorted((r["tokens_per_target_call"], 100 * r["pass_at_1"]) for r in rows
+                     if r["rule"] == rule and r["divergence"] == divergence)
+        ax.plot(*zip(*pts), marker=marker, color=color, label=name, linestyle="--" if marker == "^" else "-")
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(unique.values(), unique.keys(), fontsize=8, loc="best")
+    ax.grid(alpha=0.3)
+    ax.set_xlabel("tokens per target call")
+    ax.set_ylabel("HumanEval pass@1 (%)")
+    ax.set_title("Accuracy vs tokens per target call, one line per rule" + suffix, fontsize=10)
+    paths.append(_save(fig, plt, out_dir, "rules_frontier.png"))
     return paths
 
 

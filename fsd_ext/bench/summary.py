@@ -22,8 +22,13 @@ SUMMARY_FIELDS = (
     "pass_delta_vs_sd", "mean_accepted", "mean_drafted", "tokens_per_target_call",
     "draft_cost_ratio", "ceiling_tokens_per_s", "target_calls", "draft_calls",
     "target_s", "draft_s", "new_tokens", "generate_s", "wall_s", "accepted_drafts",
-    "sd_rejected_share", "same_as_sd", "pareto",
-)
+    "sd_rejected_share", "same_as_sd", "pareto", "pass_delta_ci_low", "pass_delta_ci_high",
+) + tuple(f"projected_vs_sd_{name}" for name in ("d05_v1", "d05_v2.3", "d20_v1", "d20_v2.3"))
+
+# Cost models of the projected speed-up over SD (docs/generate.md): a draft forward at 5% or 20% of
+# a one-token target forward, a K+1-token verification at 1.0x or 2.3x one (2.3x: this project's
+# CPUs in float32; about 1x where a target call is bound by reading the weights, as on a GPU).
+COST_MODELS = {"d05_v1": (0.05, 1.0), "d05_v2.3": (0.05, 2.3), "d20_v1": (0.20, 1.0), "d20_v2.3": (0.20, 2.3)}
 
 
 def _sum_optional(values: Iterable[Optional[float]]) -> Optional[float]:
@@ -123,7 +128,63 @@ def summarize(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
         })
     _add_relative_columns(rows)
     _add_same_as_sd(rows, groups)
+    _add_paired_intervals(rows, groups)
+    _add_projections(rows)
     return rows
+
+
+def projected_rate(row: Dict[str, Any], draft_cost: float, verify_cost: float) -> Optional[float]:
+    """Tokens per one-token target forward under a cost model: tokens per verification over its
+    cost, verify_cost plus the step's draft forwards at draft_cost each (AR: 1 token per forward)."""
+    if row["rule"] == "ar":
+        return 1.0
+    drafted = row.get("mean_drafted")
+    if drafted is None:
+        return None
+    return (row["mean_accepted"] + 1.0) / (verify_cost + drafted * draft_cost)
+
+
+def _add_projections(rows: List[Dict[str, Any]]):
+    sd = _reference_row(rows, "sd")
+    for row in rows:
+        for name, (draft_cost, verify_cost) in COST_MODELS.items():
+            mine = projected_rate(row, draft_cost, verify_cost)
+            ref = projected_rate(sd, draft_cost, verify_cost) if sd else None
+            row[f"projected_vs_sd_{name}"] = mine / ref if mine is not None and ref else None
+
+
+def paired_bootstrap(a: Dict[str, float], b: Dict[str, float], resamples: int = 4000,
+                     seed: int = 0, level: float = 0.95) -> tuple:
+    """(mean of b - a, low, high): a percentile bootstrap over the problems both hold (each value a
+    problem's pass rate over its seeds), resampling problems, so that seeds stay paired within them."""
+    import random
+    shared = sorted(set(a) & set(b))
+    if not shared:
+        raise ValueError("the two configurations share no problem")
+    diffs = [b[t] - a[t] for t in shared]
+    n = len(diffs)
+    rng = random.Random(seed)
+    means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    tail = (1.0 - level) / 2
+    return sum(diffs) / n, means[int(tail * resamples)], means[min(resamples - 1, int((1 - tail) * resamples))]
+
+
+def _add_paired_intervals(rows: List[Dict[str, Any]], groups: Dict[str, List[Dict[str, Any]]]):
+    """pass_delta_ci_low / _high: the paired 95% bootstrap interval of pass@1 minus SD's, on the
+    problems both decoded (seeds of a problem averaged first; the same sampling regime only)."""
+    def rates(recs):
+        by_task: Dict[str, List[bool]] = defaultdict(list)
+        for r in recs:
+            by_task[r["task_id"]].append(bool(r["passed"]))
+        return {t: sum(v) / len(v) for t, v in by_task.items()}
+    for row in rows:
+        sds = [r for r in rows if r["rule"] == "sd" and r.get("draft_length", "fixed") == "fixed"
+               and r["sampling"] == row["sampling"] and r["num_draft_tokens"] == row["num_draft_tokens"]]
+        row["pass_delta_ci_low"] = row["pass_delta_ci_high"] = None
+        if sds and sds[0] is not row:
+            mine, ref = rates(groups[row["group"]]), rates(groups[sds[0]["group"]])
+            if set(mine) & set(ref):
+                _, row["pass_delta_ci_low"], row["pass_delta_ci_high"] = paired_bootstrap(ref, mine)
 
 
 def _add_same_as_sd(rows: List[Dict[str, Any]], groups: Dict[str, List[Dict[str, Any]]]):
