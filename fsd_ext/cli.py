@@ -396,8 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="budget: the share of accepted drafts SD would have rejected (default "
                           "0.02); several, repeated or comma-separated, each get a search")
     cal.add_argument("--thresholds", type=_floats, default=None,
-                     help="candidate thresholds, comma-separated (default: the divergence's grid, "
-                          "fsd_ext.decoding.calibrate.CALIBRATION_GRID)")
+                     help="candidate thresholds, comma-separated (default: the rule's grid, the "
+                          "divergence's for fsd / fsd_strict: fsd_ext.types.threshold_grids)")
     cal.add_argument("--refine-steps", type=int, default=2,
                      help="bisections between the last candidate within budget and the next")
     prompts = cal.add_mutually_exclusive_group()
