@@ -776,12 +776,12 @@ def test_contended_decodes_are_decoded_again(monkeypatch):
             time.sleep(0.01)
             return Generation(text="x", new_tokens=1, seconds=0.01)
 
-    gen, contention = runner.contended_complete(Backend(), Config("ar"), "p", max_contention=0.25)
+    gens, contention = runner.contended_complete(Backend(), Config("ar"), ["p"], max_contention=0.25)
     assert Backend.calls == 2 and contention < 0.25
-    gen, contention = runner.contended_complete(Backend(), Config("ar"), "p", max_contention=0.25,
-                                                retries=2)
+    gens, contention = runner.contended_complete(Backend(), Config("ar"), ["p"], max_contention=0.25,
+                                                 retries=2)
     assert Backend.calls == 5 and contention > 0.25  # kept after the retries, flagged
-    assert runner.contended_complete(Backend(), Config("ar"), "p", max_contention=None)[1] is None
+    assert runner.contended_complete(Backend(), Config("ar"), ["p"], max_contention=None)[1] is None
 
 
 def test_paired_pass_difference():
@@ -846,3 +846,55 @@ def test_paired_interval_and_projections():
         assert fsd[f"projected_vs_sd_{name}"] == pytest.approx(expected)
     assert projected_rate({"rule": "fsd", "mean_accepted": 3.0, "mean_drafted": 5.0}, 0.2, 3.0) == 1.0
     assert projected_rate({"rule": "ar"}, 0.05, 1.0) == 1.0
+
+
+class _CharTokenizer:
+    """Text <-> ids one character each (ids 3..), enough for HFBackend on the tiny test models."""
+    pad_token_id, eos_token_id, chat_template = 0, 2, None
+
+    def encode(self, text, add_special_tokens=True):
+        return [3 + ord(c) % 120 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+@pytest.mark.parametrize("config", [Config("sd"), Config("fsd", "js", 0.5), Config("typical", None, 11.1),
+                                    Config("cascade", None, 1.5, temperature=0.9, seed=3), Config("ar")])
+def test_batched_decodes_are_the_single_ones(config):
+    """complete_batch: each row's text and counts are those of the problem decoded alone (per-row
+    seeds; the tiny float32 models round alike at both batch sizes); its records carry the batch and
+    the summary gives no tokens/s for them."""
+    import helpers
+    target = helpers.tiny_llama(0, 2, logit_scale=8.0)
+    draft = helpers.tiny_llama(1, 1, logit_scale=8.0)
+    backend = runner.HFBackend(target, draft, _CharTokenizer(), max_new_tokens=12, use_chat=False,
+                               eos_token_id=[2], use_cuda_graphs=False)
+    prompts = ["def f(x):", "ab", "import os\nprint("]
+    batch = backend.complete_batch(config, prompts)
+    for prompt, got in zip(prompts, batch):
+        alone = backend.complete(config, prompt)
+        assert (got.text, got.new_tokens) == (alone.text, alone.new_tokens)
+        assert (got.target_calls, got.verify_steps, got.accepted_drafts) == \
+            (alone.target_calls, alone.verify_steps, alone.accepted_drafts)
+        assert got.sd_rejected == alone.sd_rejected and got.extra["batch"] == 3
+    assert sum(g.seconds for g in batch) > 0
+
+
+def test_batched_sweep_records_and_summary(tmp_path):
+    class Batched(FakeBackend):
+        def complete_batch(self, config, prompts):
+            gens = [self.complete(config, p) for p in prompts]
+            for g in gens:
+                g.extra["batch"] = len(prompts)
+            return gens
+
+    store = ResultStore(str(tmp_path / "results.jsonl"))
+    configs = build_grid(rules=("ar", "sd"))
+    assert runner.run_sweep(configs, PROBLEMS[:5], Batched(), store, progress=False, batch_size=2) == 10
+    assert sorted(r["batch"] for r in store.records.values()) == [1, 1, 2, 2, 2, 2, 2, 2, 2, 2]
+    rows = summarize(list(store.records.values()))
+    assert all(r["tokens_per_s"] is None and not r["pareto"] for r in rows)
+    assert [r["pass_at_1"] for r in rows] == [1.0, 1.0]
+    with pytest.raises(ValueError, match="batch_size"):
+        runner.run_sweep(configs, PROBLEMS[:5], Batched(), store, progress=False, batch_size=2, order="problem")

@@ -300,6 +300,23 @@ def test_same_seed_same_output(target, draft):
     assert torch.equal(d, fsd_ext.generate(target, draft, ids, mask, **kwargs).sequences)
 
 
+@pytest.mark.parametrize("rule,temperature", [("ar", 0.0), ("fsd", 0.0), ("sd", 0.9)])
+def test_per_row_counts_sum_to_the_totals_and_match_single_rows(target, draft, rule, temperature):
+    """stats.rows[b] is row b's share of the counts; each equals the counts of the row decoded alone."""
+    ids, mask = random_prompts([6, 3, 9], seed=41)
+    kwargs = dict(rule=rule, threshold=0.5, temperature=temperature, num_draft_tokens=3,
+                  max_new_tokens=14, eos_token_id=[5], seed=torch.tensor([3, 4, 5]))
+    out = fsd_ext.generate(target, draft, ids, mask, **kwargs)
+    for name in ("new_tokens", "verifications", "drafted_tokens", "accepted_drafts", "sd_rejected_accepted"):
+        values = [getattr(r, name) for r in out.stats.rows]
+        total = getattr(out.stats, name)
+        assert set(values) == {None} if total is None else sum(values) == total, name
+    for b in range(3):
+        keep = mask[b].bool()
+        alone = fsd_ext.generate(target, draft, ids[b:b + 1, keep], **dict(kwargs, seed=kwargs["seed"][b:b + 1]))
+        assert out.stats.rows[b] == alone.stats.rows[0]
+
+
 def test_stats_and_divergences(target, draft):
     ids, mask = random_prompts([4, 6], seed=14)
     out = fsd_ext.generate(target, draft, ids, mask, rule="fsd", num_draft_tokens=3,

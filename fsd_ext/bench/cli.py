@@ -53,18 +53,18 @@ def add_arguments(parser: argparse.ArgumentParser):
     task.add_argument("--timeout", type=float, default=10.0, help="seconds per test run")
 
     grid = parser.add_argument_group("configurations")
-    grid.add_argument("--rules", default=",".join(BENCH_RULES), help="subset of ar,sd,fsd,fsd_strict")
+    grid.add_argument("--rules", default=",".join(BENCH_RULES), help="subset of " + ",".join(BENCH_RULES))
     grid.add_argument("--divergences", default=",".join(DIVERGENCES), help="subset of js,rkl,kl,tv,mkl")
     grid.add_argument("--thresholds", default=None,
-                      help="override grids, e.g. 'js=0.1,0.2,0.3;rkl=0.5,1' (defaults: "
+                      help="override grids, e.g. 'js=0.1,0.2,0.3;rkl=0.5,1;typical=4,11.1' (defaults: "
                            + "; ".join(f"{k}={','.join(map(str, v))}" for k, v in DEFAULT_THRESHOLDS.items())
                            + ")")
     grid.add_argument("--draft-lengths", default="fixed",
                       help=f"draft-length policies of the SD/FSD rows, a subset of {','.join(POLICIES)}")
     grid.add_argument("--config", action="append", default=None, metavar="SPEC",
                       help="an explicit configuration instead of the grid, repeatable: "
-                           "rule[:divergence:threshold][:draft_length][:K=n], e.g. ar, sd:heuristic, "
-                           "fsd:js:0.2:acceptance:K=8 (sampling, seeds and K unless given from the "
+                           "rule[:divergence]:threshold[:draft_length][:K=n], e.g. ar, sd:heuristic, "
+                           "fsd:js:0.2:acceptance:K=8, typical:11.1 (sampling, seeds and K unless given from the "
                            "options below)")
     grid.add_argument("--num-draft-tokens", type=int, default=5, help="K (the most, when adaptive)")
     grid.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -87,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser):
     run.add_argument("--max-contention", type=float, default=0.25,
                      help="decode a problem again (up to 3 times) when other processes used more "
                           "than this many cores meanwhile (a shared machine; negative: never)")
+    run.add_argument("--batch-size", type=int, default=1,
+                     help="decode a configuration's problems this many at a time (with --order config): "
+                          "an accuracy run, whose summary gives no tokens/s (time batch 1 on a subset)")
     run.add_argument("--summarize-only", action="store_true", help="only rebuild summary and plots")
     run.add_argument("--summary-dir", default=None,
                      help="where the summary and plots go (default: --out), e.g. a table of the "
@@ -233,7 +236,7 @@ def _run(args, backend: Optional[Backend]) -> List[Dict[str, Any]]:
             run_sweep(configs, problems, backend, store,
                       humaneval.SandboxLimits(timeout_s=args.timeout),
                       progress=not args.no_progress, warmup_tokens=args.warmup_tokens,
-                      order=args.order, on_record=count,
+                      order=args.order, on_record=count, batch_size=args.batch_size,
                       max_contention=None if args.max_contention < 0 else args.max_contention)
     meta = {"summary_command": command, "setup": setup, "setup_id": sid, "problems": task_ids,
             "runs": [r for r in read_runs(args.out) if r.get("setup_id") == sid], "time": _now()}

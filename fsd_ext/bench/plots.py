@@ -63,7 +63,7 @@ def plot_all(rows: Sequence[Dict[str, Any]], out_dir: str, title: str = "") -> L
     suffix = f"\n{title}" if title else ""
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    _scatter_rows(ax, rows, "tokens_per_s")
+    _scatter_rows(ax, [r for r in rows if r["tokens_per_s"] is not None], "tokens_per_s")
     front = pareto_front(rows)
     if front:
         xs = [r["tokens_per_s"] for r in front]

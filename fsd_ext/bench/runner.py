@@ -50,6 +50,11 @@ class Backend:
     def complete(self, config: Config, prompt: str) -> Generation:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def complete_batch(self, config: Config, prompts: Sequence[str]) -> List[Generation]:
+        """The prompts decoded together (default: one by one). A batched Generation holds its own
+        row's counts; its seconds are the batch's shared out by new tokens (not a batch-1 time)."""
+        return [self.complete(config, prompt) for prompt in prompts]
+
     def warmup(self, config: Config, prompt: str, tokens: int):
         """An untimed short decode before a configuration is measured (default: nothing)."""
 
@@ -218,6 +223,48 @@ class HFBackend(Backend):
             gen.sd_rejected = 0  # by definition
         return gen
 
+    def complete_batch(self, config: Config, prompts: Sequence[str]) -> List[Generation]:
+        """One generate call over the left-padded prompts. Every row gets the configuration's seed
+        (per-row seeds: a row's draws are those of its decode alone), so a batch changes the tokens
+        only where the models' batched forwards round differently from single-row ones."""
+        import torch
+        if len(prompts) == 1:
+            return [self.complete(config, prompts[0])]
+        encoded = [self._encode(p)[0] for p in prompts]
+        width = max(len(e) for e in encoded)
+        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos[0]
+        input_ids = torch.full((len(encoded), width), int(pad), dtype=torch.long, device=self.device)
+        mask = torch.zeros_like(input_ids)
+        for b, e in enumerate(encoded):  # left padding
+            input_ids[b, width - len(e):], mask[b, width - len(e):] = e, 1
+        kwargs = config.generate_kwargs()
+        kwargs.update(max_new_tokens=self.max_new_tokens, eos_token_id=self.eos_token_id,
+                      use_cuda_graphs=self.use_cuda_graphs, pad_token_id=int(pad),
+                      seed=torch.full((len(encoded),), config.seed, dtype=torch.int64))
+        if self.check_sd and config.temperature > 0 and config.rule in LENIENT_RULES:
+            kwargs["output_divergences"] = True
+        self._sync()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = self.generate_fn(self.target, self.draft, input_ids, mask, **kwargs)
+        self._sync()
+        seconds = time.perf_counter() - start - (_stat(out.stats, "diagnostics_seconds") or 0.0)
+        gens = []
+        for b, row in enumerate(out.stats.rows):
+            new_ids = out.sequences[b, width:].tolist()[:row.new_tokens]
+            text = self.tokenizer.decode([t for t in new_ids if t not in eos], skip_special_tokens=True)
+            steps = 0 if config.rule == "ar" else row.verifications
+            gens.append(Generation(
+                text=text, new_tokens=row.new_tokens,
+                seconds=seconds * row.new_tokens / max(out.stats.new_tokens, 1),
+                target_calls=row.verifications + 1,  # its prompt forward and its verifications
+                draft_calls=0 if config.rule == "ar" else row.drafted_tokens + 1,
+                accepted_drafts=float(row.accepted_drafts) if steps else 0.0, verify_steps=steps,
+                sd_rejected=0 if config.rule in ("ar", "sd") else row.sd_rejected_accepted,
+                extra={"stats": {"drafted_tokens": row.drafted_tokens}, "batch": len(prompts)}))
+        return gens
+
 
 def _progress(total: int, initial: int, desc: str, enabled: bool):
     try:
@@ -237,7 +284,7 @@ def run_sweep(configs: Sequence[Config], problems: Sequence[Dict[str, str]], bac
               store: ResultStore, limits: humaneval.SandboxLimits = humaneval.SandboxLimits(),
               progress: bool = True, warmup_tokens: int = 0,
               on_record: Optional[Callable[[Dict[str, Any]], None]] = None,
-              order: str = "config", max_contention: Optional[float] = 0.25) -> int:
+              order: str = "config", max_contention: Optional[float] = 0.25, batch_size: int = 1) -> int:
     """Decode and score every (configuration, problem) not yet in the store. Returns how many new
     records were written.
 
@@ -246,9 +293,14 @@ def run_sweep(configs: Sequence[Config], problems: Sequence[Dict[str, str]], bac
     then hits every configuration alike, which keeps their tokens/s comparable on a shared machine.
     max_contention: decode again what ran while other processes used more than this many cores
     (contended_complete; None: never).
+    batch_size > 1 (order="config"): the problems of a configuration decoded batch_size at a time
+    (backend.complete_batch), an accuracy run; their records carry "batch", and the summary reports
+    no tokens/s for them (time a batch-1 run on a subset for that).
     """
     if order not in ("config", "problem"):
         raise ValueError(f"order must be 'config' or 'problem', got {order!r}")
+    if batch_size < 1 or (batch_size > 1 and order != "config"):
+        raise ValueError(f"batch_size must be >= 1 (and 1 with order='problem'), got {batch_size}")
     sid = setup_id(backend.setup())
     todo = {config.key: [p for p in problems if not store.has(sid, config.key, p["task_id"])]
             for config in configs}
@@ -263,13 +315,15 @@ def run_sweep(configs: Sequence[Config], problems: Sequence[Dict[str, str]], bac
             bar = _progress(len(problems), len(problems) - len(todo[config.key]), config.label,
                             progress)
             passed = 0
-            for problem in todo[config.key]:
-                record = _run_one(config, problem, backend, sid, limits, store, on_record,
-                                  max_contention)
-                written, passed = written + 1, passed + record["passed"]
-                bar.update(1)
-                bar.set_postfix_str(f"pass {passed}/{len(todo[config.key])} new, "
-                                    f"{record['new_tokens'] / max(record['seconds'], 1e-9):.1f} tok/s")
+            pending = todo[config.key]
+            for first in range(0, len(pending), batch_size):
+                records = _run_batch(config, pending[first:first + batch_size], backend, sid, limits,
+                                     store, on_record, max_contention)
+                written += len(records)
+                passed += sum(r["passed"] for r in records)
+                bar.update(len(records))
+                tokens, seconds = sum(r["new_tokens"] for r in records), sum(r["seconds"] for r in records)
+                bar.set_postfix_str(f"pass {passed}/{len(pending)} new, {tokens / max(seconds, 1e-9):.1f} tok/s")
             bar.close()
         return written
     for config in configs:
@@ -280,8 +334,8 @@ def run_sweep(configs: Sequence[Config], problems: Sequence[Dict[str, str]], bac
     for problem in problems:
         for config in configs:
             if problem in todo[config.key]:
-                record = _run_one(config, problem, backend, sid, limits, store, on_record,
-                                  max_contention)
+                (record,) = _run_batch(config, [problem], backend, sid, limits, store, on_record,
+                                       max_contention)
                 written += 1
                 bar.update(1)
                 bar.set_postfix_str(f"{problem['task_id']} {config.label}: "
@@ -318,34 +372,50 @@ def _wait_until_quiet(max_contention: float, timeout_s: float, probe_s: float = 
             return
 
 
-def contended_complete(backend: Backend, config: Config, prompt: str,
+def contended_complete(backend: Backend, config: Config, prompts: Sequence[str],
                        max_contention: Optional[float] = 0.25, retries: int = 3,
                        quiet_timeout_s: float = 600.0):
-    """backend.complete, timed while no other process uses the CPU: beside a busy process a
+    """backend.complete_batch, timed while no other process uses the CPU: beside a busy process a
     multi-threaded decode runs several times slower, so a decode during which the rest of the
     machine used more than `max_contention` cores on average is decoded again, after waiting (at
-    most quiet_timeout_s) for the machine to go quiet, up to `retries` times. Returns (Generation,
+    most quiet_timeout_s) for the machine to go quiet, up to `retries` times. Returns (Generations,
     the other processes' mean cores during the kept decode; None where /proc/stat is missing or
     max_contention is None)."""
     for attempt in range(retries + 1):
         busy0, own0, wall0 = _machine_busy_seconds(), _own_cpu_seconds(), time.perf_counter()
-        gen = backend.complete(config, prompt)
+        gens = (backend.complete_batch(config, prompts) if len(prompts) > 1
+                else [backend.complete(config, prompts[0])])
         wall = time.perf_counter() - wall0
         if busy0 is None or max_contention is None:
-            return gen, None
+            return gens, None
         contention = max(0.0, (_machine_busy_seconds() - busy0) - (_own_cpu_seconds() - own0)) / wall
         if contention <= max_contention or attempt == retries:
-            return gen, contention
+            return gens, contention
         _wait_until_quiet(max_contention, quiet_timeout_s)
 
 
-def _run_one(config: Config, problem: Dict[str, str], backend: Backend, sid: str,
-             limits: humaneval.SandboxLimits, store: ResultStore,
-             on_record: Optional[Callable[[Dict[str, Any]], None]],
-             max_contention: Optional[float] = 0.25) -> Dict[str, Any]:
-    """Decode one problem with one configuration, score it, append the record to the store."""
+def _run_batch(config: Config, problems: Sequence[Dict[str, str]], backend: Backend, sid: str,
+               limits: humaneval.SandboxLimits, store: ResultStore,
+               on_record: Optional[Callable[[Dict[str, Any]], None]],
+               max_contention: Optional[float] = 0.25) -> List[Dict[str, Any]]:
+    """Decode problems with one configuration (together when several), score each, append their
+    records to the store."""
     start = time.perf_counter()
-    gen, contention = contended_complete(backend, config, backend.prompt(problem), max_contention)
+    gens, contention = contended_complete(backend, config, [backend.prompt(p) for p in problems], max_contention)
+    wall = (time.perf_counter() - start) / len(problems)
+    records = []
+    for problem, gen in zip(problems, gens):
+        records.append(_record(config, problem, gen, backend, sid, limits, contention, wall))
+        store.append(records[-1])
+        if on_record is not None:
+            on_record(records[-1])
+    return records
+
+
+def _record(config: Config, problem: Dict[str, str], gen: Generation, backend: Backend, sid: str,
+            limits: humaneval.SandboxLimits, contention: Optional[float], wall: float) -> Dict[str, Any]:
+    """One scored record (a problem under a configuration)."""
+    start = time.perf_counter()
     completion = humaneval.extract_completion(gen.text, backend.chat)
     result = humaneval.check_completion(problem, completion, limits)
     record = {
@@ -353,19 +423,16 @@ def _run_one(config: Config, problem: Dict[str, str], backend: Backend, sid: str
         "config": asdict(config), "task_id": problem["task_id"],
         "passed": result.passed, "result": result.result, "completion": completion,
         "generated_text": gen.text, "new_tokens": gen.new_tokens, "seconds": gen.seconds,
-        "wall_s": time.perf_counter() - start, "target_calls": gen.target_calls,
+        "wall_s": wall + time.perf_counter() - start, "target_calls": gen.target_calls,
         "draft_calls": gen.draft_calls, "target_seconds": gen.target_seconds,
         "draft_seconds": gen.draft_seconds, "prefill_seconds": gen.prefill_seconds,
         "capture_seconds": gen.capture_seconds,
         "accepted_hist": gen.accepted_hist,
         "accepted_drafts": gen.accepted_drafts, "verify_steps": gen.verify_steps,
         "sd_rejected": gen.sd_rejected, "stats": gen.extra.get("stats"),
-        "contention": contention,
+        "contention": contention, "batch": gen.extra.get("batch", 1),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    store.append(record)
-    if on_record is not None:
-        on_record(record)
     return record
 
 

@@ -95,6 +95,7 @@ def summarize(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
         steps = sum(r["verify_steps"] for r in recs)
         sd_rejected = [r.get("sd_rejected") for r in recs]
         times = _forward_times(recs)
+        batched = any(r.get("batch", 1) > 1 for r in recs)  # an accuracy run: no batch-1 speed
         drafted = (0.0 if config.rule == "ar" else None if _stats_sum(recs, "drafted_tokens") is None
                    else _stats_sum(recs, "drafted_tokens") / steps if steps else 0.0)
         if config.rule == "ar":
@@ -109,9 +110,9 @@ def summarize(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
             "sampling": config.sampling, "num_draft_tokens": config.num_draft_tokens,
             "seeds": len({r["config"]["seed"] for r in recs}), "problems": len(by_task),
             "samples": len(recs), "pass_at_1": pass_at_1,
-            "tokens_per_s": new_tokens / generate_s if generate_s > 0 else float("nan"),
+            "tokens_per_s": None if batched else new_tokens / generate_s if generate_s > 0 else float("nan"),
             "decode_tokens_per_s": (new_tokens / (generate_s - setup_s)
-                                    if setup_s is not None and generate_s > setup_s else None),
+                                    if setup_s is not None and generate_s > setup_s and not batched else None),
             "draft_length": config.draft_length,
             "mean_accepted": accepted / steps if steps else 0.0,
             "mean_drafted": drafted,
@@ -209,15 +210,18 @@ def _reference_row(rows, rule):
 
 def _add_relative_columns(rows: List[Dict[str, Any]]):
     ar, sd = _reference_row(rows, "ar"), _reference_row(rows, "sd")
+    def ratio(row, ref):
+        return row["tokens_per_s"] / ref["tokens_per_s"] if ref and row["tokens_per_s"] and ref["tokens_per_s"] else None
     for row in rows:
-        row["speedup_vs_ar"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar else None
-        row["speedup_vs_sd"] = row["tokens_per_s"] / sd["tokens_per_s"] if sd else None
+        row["speedup_vs_ar"] = ratio(row, ar)
+        row["speedup_vs_sd"] = ratio(row, sd)
         row["pass_delta_vs_sd"] = row["pass_at_1"] - sd["pass_at_1"] if sd else None
+    timed = [r for r in rows if r["tokens_per_s"] is not None]  # (batched accuracy rows are not)
     for row in rows:
-        row["pareto"] = not any(
+        row["pareto"] = row["tokens_per_s"] is not None and not any(
             o["pass_at_1"] >= row["pass_at_1"] and o["tokens_per_s"] >= row["tokens_per_s"]
             and (o["pass_at_1"] > row["pass_at_1"] or o["tokens_per_s"] > row["tokens_per_s"])
-            for o in rows)
+            for o in timed)
 
 
 def pareto_front(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -233,7 +237,9 @@ def target_check(rows: Sequence[Dict[str, Any]], max_pass_drop: float = 0.02,
     - FSD ("met", "row"): the fastest FSD/FSD-strict row with pass@1 within `max_pass_drop` of
       SD's, at >= `min_speedup`x SD's tokens/s and >= `min_adaptive_speedup`x the best adaptive
       SD's (where there is one).
-    Returns both with the reason where one is missed."""
+    Returns both with the reason where one is missed. Rows without a batch-1 speed (batched
+    accuracy runs) take no part."""
+    rows = [r for r in rows if r["tokens_per_s"] is not None]
     sd = _reference_row(rows, "sd")
     if sd is None:
         return {"met": False, "reason": "no SD row", "row": None}

@@ -50,7 +50,7 @@ from ..types import PURPOSE_ACCEPT
 from .checks import OPS, as_ids, check_in_vocab, check_inputs, check_options, vocab_size
 from .draft_length import POLICIES
 from .model import CachedModel, wait_for_gpu
-from .stats import GenerateOutput, GenerateStats
+from .stats import GenerateOutput, GenerateStats, RowCounts
 
 _accept, _sample = OPS
 
@@ -302,15 +302,18 @@ class _Decoder:
             if stop is not None:
                 new = new[:stop + 1]
             generated.extend(new)
-            stats.new_tokens += len(new)
-            stats.verifications += 1
-            if out.num_drafted is not None:  # (None for ar)
-                stats.drafted_tokens += out.num_drafted[j]
-                self.policy.record(self.rows[j], n, out.num_drafted[j])
+            row = stats.rows[self.rows[j]]
             kept_drafts = min(n, len(new))  # accepted drafts past EOS / max_new_tokens are cut
-            stats.accepted_drafts += kept_drafts
-            if out.sd_rejects is not None:
-                stats.sd_rejected_accepted += sum(out.sd_rejects[j][:kept_drafts])
+            for tally in (stats, row):
+                tally.new_tokens += len(new)
+                tally.verifications += 1
+                tally.accepted_drafts += kept_drafts
+                if out.num_drafted is not None:  # (None for ar)
+                    tally.drafted_tokens += out.num_drafted[j]
+                if out.sd_rejects is not None:
+                    tally.sd_rejected_accepted += sum(out.sd_rejects[j][:kept_drafts])
+            if out.num_drafted is not None:
+                self.policy.record(self.rows[j], n, out.num_drafted[j])
             stats.accepted_histogram[n] += 1
             if self.streamer is not None and new:
                 self.streamer.put(torch.tensor(new))
@@ -429,6 +432,7 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
                           divergences=[] if output_divergences else None)
     if settings.count_sd_rejections or rule == "sd":
         stats.sd_rejected_accepted = 0  # sd: by definition
+    stats.rows = [RowCounts(sd_rejected_accepted=stats.sd_rejected_accepted) for _ in range(batch)]
     cached_models = []  # their graph states (CUDA) go back when the call ends, however it ends
     try:
         # The caches start with what the prompt and the first step write and grow with the tokens.

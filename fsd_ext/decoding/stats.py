@@ -18,6 +18,17 @@ def seconds_per_decode_forward(seconds: float, prompt_seconds: float, forwards: 
 
 
 @dataclass
+class RowCounts:
+    """One batch row's share of GenerateStats' counts (they sum to the totals)."""
+
+    new_tokens: int = 0
+    verifications: int = 0
+    drafted_tokens: int = 0
+    accepted_drafts: int = 0
+    sd_rejected_accepted: Optional[int] = None
+
+
+@dataclass
 class GenerateStats:
     """What a generate() call did. Counts are of model calls (one call = one forward of the batch)."""
 
@@ -43,6 +54,7 @@ class GenerateStats:
     sd_rejected_accepted: Optional[int] = None
     accepted_histogram: List[int] = field(default_factory=list)  # [K+1]: row-steps accepting n
     divergences: Optional[List[torch.Tensor]] = None  # per step, [B_active, K] float32
+    rows: List[RowCounts] = field(default_factory=list)  # [B]: the counts above, per input row
 
     @property
     def tokens_per_second(self) -> float:
