@@ -38,7 +38,7 @@ def test_problems_load_and_select():
         "HumanEval/0", "HumanEval/1", "HumanEval/2"]
     chosen = humaneval.select_problems(PROBLEMS, ids=["7", "HumanEval/3"])
     assert [p["task_id"] for p in chosen] == ["HumanEval/7", "HumanEval/3"]
-    with pytest.raises(ValueError, match="unknown HumanEval task id"):
+    with pytest.raises(ValueError, match="unknown task id"):
         humaneval.select_problems(PROBLEMS, ids=["999"])
     with pytest.raises(ValueError, match=">= 1"):
         humaneval.select_problems(PROBLEMS, num=0)

@@ -1,11 +1,13 @@
 """The evaluation harness, apart from the library: `import fsd_ext` never loads it.
 
-The accuracy/speed frontier of FSD on a real model pair: HumanEval pass@1 against tokens/s
-(`fsd-ext bench frontier`, benchmarks/frontier.py).
+The accuracy/speed frontier of FSD and the other lenient rules on a real model pair: pass@1 on
+HumanEval (or GSM8K, `--task gsm8k`) against tokens/s and tokens per target call (`fsd-ext bench
+frontier`, benchmarks/frontier.py).
 
-For every configuration (AR; SD; FSD and FSD-strict for each divergence over a threshold grid;
-greedy by default, sampling with several seeds on request) each selected HumanEval problem is
-decoded once per seed, the completion is scored in a sandbox (humaneval.py), and one JSON line
+For every configuration (AR; SD; FSD and FSD-strict for each divergence over a threshold grid; the
+other lenient rules over theirs; greedy by default, sampling with several seeds on request) each
+selected problem is decoded once per seed (alone, or `--batch-size` at a time for an accuracy run),
+the completion is scored (tasks.py: HumanEval in a sandbox, GSM8K by its final number), and one JSON line
 is appended to `results.jsonl`, keyed by (setup, configuration, seed, problem). A stopped run
 continues where it left off. The summary aggregates per configuration (seeds pooled):
 
@@ -28,6 +30,8 @@ continues where it left off. The summary aggregates per configuration (seeds poo
                            acceptance rule can beat at this draft length
     sd_rejected_share      accepted drafts that SD alone would have rejected / accepted drafts
     same_as_sd             greedy: share of problems whose text equals fixed-K SD's
+    pass_delta_ci_low/high the paired 95% bootstrap interval of pass@1 minus SD's (same regime)
+    projected_vs_sd_*      the speed-up over SD under four cost models (docs/generate.md)
     target_calls, draft_calls, target_s, draft_s, wall_s (generate plus scoring)
 
 "SD alone would have rejected" (0 by definition for AR and SD) comes from fsd_ext.generate's
@@ -39,10 +43,10 @@ function without that statistic leaves the column empty.
 
 Outputs in --out: results.jsonl, summary.csv, summary.json (setup, machine, versions, command),
 frontier.png (pass@1 vs tokens/s with the Pareto frontier, AR and SD marked),
-pass_vs_accepted.png and threshold_vs_acceptance.png.
+pass_vs_accepted.png, threshold_vs_acceptance.png and rules_frontier.png.
 
-Modules, in the order a run uses them: grid.py (configurations), humaneval.py (problems, prompts,
-sandboxed scoring), runner.py (the Backend interface, HFBackend over fsd_ext.generate, the sweep),
+Modules, in the order a run uses them: grid.py (configurations), tasks.py over humaneval.py and
+gsm8k.py (problems, prompts, scoring), runner.py (the Backend interface, HFBackend over fsd_ext.generate, the sweep),
 store.py (results.jsonl, runs.jsonl), summary.py (rows, table, CSV/JSON), plots.py, env.py
 (machine and versions), cli.py (arguments and the run).
 """

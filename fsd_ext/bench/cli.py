@@ -19,6 +19,7 @@ from . import humaneval
 from .env import environment
 from .grid import BENCH_RULES, DEFAULT_THRESHOLDS, Config, build_grid, parse_config, parse_thresholds
 from .plots import plot_all
+from .tasks import TASKS
 from .runner import Backend, HFBackend, load_model, run_sweep
 from .store import ResultStore, _now, latest_setup, lock_folder, logged_run, read_runs, setup_id
 from .summary import format_table, summarize, target_check, write_summary
@@ -44,10 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser):
     model.add_argument("--no-cuda-graphs", action="store_true", help="pass use_cuda_graphs=False")
 
     task = parser.add_argument_group("task")
+    task.add_argument("--task", choices=sorted(TASKS), default="humaneval",
+                      help="humaneval (code, run against its tests) or gsm8k (math word problems, the "
+                           "final number; its test split is downloaded once, fsd_ext.bench.gsm8k)")
     which = task.add_mutually_exclusive_group()
-    which.add_argument("--problems", type=int, default=20, help="the first N HumanEval problems")
+    which.add_argument("--problems", type=int, default=20, help="the task's first N problems")
     which.add_argument("--ids", default=None, help="problem numbers, e.g. 0-9,12,HumanEval/20")
-    which.add_argument("--all", action="store_true", help="all 164 problems")
+    which.add_argument("--all", action="store_true", help="all the task's problems (HumanEval 164, GSM8K 1319)")
     task.add_argument("--no-chat", action="store_true", help="raw prompts even if the tokenizer has a chat template")
     task.add_argument("--max-new-tokens", type=int, default=512)
     task.add_argument("--timeout", type=float, default=10.0, help="seconds per test run")
@@ -137,11 +141,13 @@ def configs_from_args(args) -> List[Config]:
 
 
 def problems_from_args(args) -> List[Dict[str, str]]:
-    problems = humaneval.load_problems()
+    task = TASKS[getattr(args, "task", "humaneval")]
+    problems = task.load_problems()
     if args.all:
         return problems
-    return humaneval.select_problems(problems, num=None if args.ids else args.problems,
-                                     ids=humaneval.parse_ids(args.ids) if args.ids else None)
+    ids = humaneval.parse_ids(args.ids, task.num_problems, task.id_prefix) if args.ids else None
+    return humaneval.select_problems(problems, num=None if args.ids else args.problems, ids=ids,
+                                     prefix=task.id_prefix)
 
 
 def finish(store: ResultStore, setup: Dict[str, Any], out_dir: str, meta: Dict[str, Any],
@@ -215,7 +221,7 @@ def _run(args, backend: Optional[Backend]) -> List[Dict[str, Any]]:
                                 use_chat=False if args.no_chat else None,
                                 check_sd=not args.no_sd_check,
                                 use_cuda_graphs=False if args.no_cuda_graphs else "auto",
-                                names={"target": args.target, "draft": args.draft})
+                                names={"target": args.target, "draft": args.draft}, task=args.task)
         setup = backend.setup()
     sid = setup_id(setup)
     print(f"{len(configs)} configurations x {len(problems)} problems -> {args.out} "

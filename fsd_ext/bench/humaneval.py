@@ -63,31 +63,33 @@ def load_problems(path: Optional[str] = None) -> List[Dict[str, str]]:
         return [json.loads(line) for line in handle if line.strip()]
 
 
-def parse_ids(text: str) -> List[int]:
-    """'0-3,7,HumanEval/9' -> [0, 1, 2, 3, 7, 9]: problem numbers, ranges inclusive."""
+def parse_ids(text: str, count: int = NUM_PROBLEMS, prefix: str = "HumanEval/") -> List[int]:
+    """'0-3,7,HumanEval/9' -> [0, 1, 2, 3, 7, 9]: problem numbers, ranges inclusive (another task:
+    its `count` problems and id `prefix`)."""
     ids: List[int] = []
+    name = prefix.rstrip("/")
     try:
-        for part in filter(None, (p.strip().removeprefix("HumanEval/") for p in text.split(","))):
+        for part in filter(None, (p.strip().removeprefix(prefix) for p in text.split(","))):
             first, _, last = part.partition("-")
             ids += range(int(first), int(last or first) + 1)
     except ValueError:
-        raise ValueError(f"expected HumanEval problems like 0-9 or 0,3,7, got {text!r}") from None
-    if not ids or not all(0 <= i < NUM_PROBLEMS for i in ids):
-        raise ValueError(f"expected HumanEval problems in 0-{NUM_PROBLEMS - 1}, got {text!r}")
+        raise ValueError(f"expected {name} problems like 0-9 or 0,3,7, got {text!r}") from None
+    if not ids or not all(0 <= i < count for i in ids):
+        raise ValueError(f"expected {name} problems in 0-{count - 1}, got {text!r}")
     return ids
 
 
 def select_problems(problems: Sequence[Dict[str, str]], num: Optional[int] = None,
-                    ids: Optional[Iterable[str]] = None) -> List[Dict[str, str]]:
+                    ids: Optional[Iterable[str]] = None, prefix: str = "HumanEval/") -> List[Dict[str, str]]:
     """The first `num` problems, or those named in `ids` ("HumanEval/3" or just "3"), or all."""
     if ids is not None:
         by_id = {p["task_id"]: p for p in problems}
         chosen = []
         for task in ids:
             task = str(task).strip()
-            task = task if task.startswith("HumanEval/") else f"HumanEval/{task}"
+            task = task if task.startswith(prefix) else f"{prefix}{task}"
             if task not in by_id:
-                raise ValueError(f"unknown HumanEval task id {task!r}")
+                raise ValueError(f"unknown task id {task!r}")
             chosen.append(by_id[task])
         return chosen
     if num is not None:

@@ -70,14 +70,14 @@ def plot_all(rows: Sequence[Dict[str, Any]], out_dir: str, title: str = "") -> L
         ys = [100 * r["pass_at_1"] for r in front]
         ax.step(xs, ys, where="pre", color="gray", linestyle="--", linewidth=1, zorder=3)
     ax.set_xlabel("tokens / s")
-    ax.set_ylabel("HumanEval pass@1 (%)")
+    ax.set_ylabel("pass@1 (%)")
     ax.set_title("Accuracy vs speed (labels: threshold; dashed: Pareto frontier)" + suffix, fontsize=10)
     paths.append(_save(fig, plt, out_dir, "frontier.png"))
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
     _scatter_rows(ax, rows, "mean_accepted")
     ax.set_xlabel("mean accepted drafts per target call (verification step)")
-    ax.set_ylabel("HumanEval pass@1 (%)")
+    ax.set_ylabel("pass@1 (%)")
     ax.set_title("Accuracy vs acceptance" + suffix, fontsize=10)
     paths.append(_save(fig, plt, out_dir, "pass_vs_accepted.png"))
 
@@ -117,7 +117,7 @@ def plot_all(rows: Sequence[Dict[str, Any]], out_dir: str, title: str = "") -> L
     ax.legend(unique.values(), unique.keys(), fontsize=8, loc="best")
     ax.grid(alpha=0.3)
     ax.set_xlabel("tokens per target call")
-    ax.set_ylabel("HumanEval pass@1 (%)")
+    ax.set_ylabel("pass@1 (%)")
     ax.set_title("Accuracy vs tokens per target call, one line per rule" + suffix, fontsize=10)
     paths.append(_save(fig, plt, out_dir, "rules_frontier.png"))
     return paths

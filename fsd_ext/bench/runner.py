@@ -17,6 +17,7 @@ from ..types import LENIENT_RULES
 from .grid import Config
 from .humaneval import PROMPT_VERSION
 from .store import ResultStore, setup_id
+from .tasks import TASKS, Task
 
 
 @dataclass
@@ -43,6 +44,7 @@ class Backend:
     """Turns a prompt into a Generation under a configuration."""
 
     chat: bool = False  # whether prompts use the chat template (decides how completions are cut)
+    task: Task = TASKS["humaneval"]  # what is decoded and how it is scored
 
     def prompt(self, problem: Dict[str, str]) -> str:
         return problem["prompt"]
@@ -147,8 +149,9 @@ class HFBackend(Backend):
     def __init__(self, target, draft, tokenizer, *, max_new_tokens: int = 512,
                  generate_fn: Optional[Callable] = None, use_chat: Optional[bool] = None,
                  check_sd: bool = True, eos_token_id=None, use_cuda_graphs="auto",
-                 names: Optional[Dict[str, str]] = None):
+                 names: Optional[Dict[str, str]] = None, task: str = "humaneval"):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.task = TASKS[task]
         self.max_new_tokens = max_new_tokens
         if generate_fn is None:
             from ..decoding.loop import generate as generate_fn
@@ -171,10 +174,12 @@ class HFBackend(Backend):
         kinds = sorted({k for k in map(linear_weights_kind, (self.target, self.draft)) if k})
         if kinds:
             setup["linear_weights"] = ",".join(kinds)
+        if self.task.name != "humaneval":  # (HumanEval sweeps keep their ids: PROMPT_VERSION above)
+            setup["task"] = f"{self.task.name}/{self.task.prompt_version}"
         return setup
 
     def prompt(self, problem: Dict[str, str]) -> str:
-        return humaneval.format_prompt(problem, self.tokenizer, self.chat)
+        return self.task.format_prompt(problem, self.tokenizer, self.chat)
 
     def prompt_ids(self, problem: Dict[str, str]):
         """[1, P] the token ids complete() decodes for `problem` (`fsd-ext calibrate` reuses them)."""
@@ -416,12 +421,11 @@ def _record(config: Config, problem: Dict[str, str], gen: Generation, backend: B
             limits: humaneval.SandboxLimits, contention: Optional[float], wall: float) -> Dict[str, Any]:
     """One scored record (a problem under a configuration)."""
     start = time.perf_counter()
-    completion = humaneval.extract_completion(gen.text, backend.chat)
-    result = humaneval.check_completion(problem, completion, limits)
+    passed, result, completion = backend.task.score(problem, gen.text, backend.chat, limits)
     record = {
         "setup_id": sid, "setup": backend.setup(), "key": config.key, "group": config.group,
         "config": asdict(config), "task_id": problem["task_id"],
-        "passed": result.passed, "result": result.result, "completion": completion,
+        "passed": passed, "result": result, "completion": completion,
         "generated_text": gen.text, "new_tokens": gen.new_tokens, "seconds": gen.seconds,
         "wall_s": wall + time.perf_counter() - start, "target_calls": gen.target_calls,
         "draft_calls": gen.draft_calls, "target_seconds": gen.target_seconds,
