@@ -165,6 +165,12 @@ FSD_INLINE bool statistic_reads_sum(Rule rule) {
   const Criterion c = rule_traits(rule).criterion;
   return c == Criterion::None || c == Criterion::Divergence || c == Criterion::Typical || c == Criterion::Cascade;
 }
+// Whether it reads p~ or q~ at all (lenient SD reads the sampling p and q, rank the logits): a
+// kernel that builds p~ and q~ with passes of their own may skip them otherwise.
+FSD_INLINE bool statistic_reads_dists(Rule rule) {
+  const Criterion c = rule_traits(rule).criterion;
+  return c != Criterion::Lenience && c != Criterion::Rank;
+}
 
 // What the statistic of draft position i (token d) is computed from. p~, q~: the distributions the
 // divergence compares (div_temperature, or the sampling ones); p, q: the sampling distributions.

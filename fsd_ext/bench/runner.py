@@ -198,24 +198,29 @@ class HFBackend(Backend):
     def warmup(self, config: Config, prompt: str, tokens: int):
         self.complete(config, prompt, max_new_tokens=tokens, check_sd=False)
 
-    def complete(self, config: Config, prompt: str, max_new_tokens: Optional[int] = None,
-                 check_sd: Optional[bool] = None) -> Generation:
+    def _generate(self, config: Config, input_ids, mask, max_new_tokens: Optional[int] = None,
+                  check_sd: Optional[bool] = None, **extra):
+        """generate_fn under `config`, timed -> (output, seconds without generate's diagnostics)."""
         import torch
-        input_ids = self._encode(prompt)  # [1, P]
-        prompt_len = input_ids.shape[1]
         kwargs = config.generate_kwargs()
         kwargs.update(max_new_tokens=max_new_tokens or self.max_new_tokens,
-                      eos_token_id=self.eos_token_id, use_cuda_graphs=self.use_cuda_graphs)
+                      eos_token_id=self.eos_token_id, use_cuda_graphs=self.use_cuda_graphs, **extra)
         check_sd = self.check_sd if check_sd is None else check_sd
         if check_sd and config.temperature > 0 and config.rule in LENIENT_RULES:
             kwargs["output_divergences"] = True  # generate counts sampled SD rejections (timed apart)
         self._sync()
         start = time.perf_counter()
         with torch.inference_mode():
-            out = self.generate_fn(self.target, self.draft, input_ids,
-                                   torch.ones_like(input_ids), **kwargs)
+            out = self.generate_fn(self.target, self.draft, input_ids, mask, **kwargs)
         self._sync()
-        seconds = time.perf_counter() - start - (_stat(out.stats, "diagnostics_seconds") or 0.0)
+        return out, time.perf_counter() - start - (_stat(out.stats, "diagnostics_seconds") or 0.0)
+
+    def complete(self, config: Config, prompt: str, max_new_tokens: Optional[int] = None,
+                 check_sd: Optional[bool] = None) -> Generation:
+        import torch
+        input_ids = self._encode(prompt)  # [1, P]
+        prompt_len = input_ids.shape[1]
+        out, seconds = self._generate(config, input_ids, torch.ones_like(input_ids), max_new_tokens, check_sd)
         sequence = out.sequences[0]  # [P + generated]
         new_ids = sequence[prompt_len:].tolist()
         eos = set(self.eos_token_id if isinstance(self.eos_token_id, (list, tuple))
@@ -238,23 +243,13 @@ class HFBackend(Backend):
         encoded = [self._encode(p)[0] for p in prompts]
         width = max(len(e) for e in encoded)
         eos = list(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos[0]
+        pad = next((t for t in (self.tokenizer.pad_token_id, *eos) if t is not None), 0)
         input_ids = torch.full((len(encoded), width), int(pad), dtype=torch.long, device=self.device)
         mask = torch.zeros_like(input_ids)
         for b, e in enumerate(encoded):  # left padding
             input_ids[b, width - len(e):], mask[b, width - len(e):] = e, 1
-        kwargs = config.generate_kwargs()
-        kwargs.update(max_new_tokens=self.max_new_tokens, eos_token_id=self.eos_token_id,
-                      use_cuda_graphs=self.use_cuda_graphs, pad_token_id=int(pad),
-                      seed=torch.full((len(encoded),), config.seed, dtype=torch.int64))
-        if self.check_sd and config.temperature > 0 and config.rule in LENIENT_RULES:
-            kwargs["output_divergences"] = True
-        self._sync()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            out = self.generate_fn(self.target, self.draft, input_ids, mask, **kwargs)
-        self._sync()
-        seconds = time.perf_counter() - start - (_stat(out.stats, "diagnostics_seconds") or 0.0)
+        out, seconds = self._generate(config, input_ids, mask, pad_token_id=int(pad),
+                                      seed=torch.full((len(encoded),), config.seed, dtype=torch.int64))
         gens = []
         for b, row in enumerate(out.stats.rows):
             new_ids = out.sequences[b, width:].tolist()[:row.new_tokens]

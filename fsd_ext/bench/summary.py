@@ -80,12 +80,14 @@ def summarize(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     for record in records:
         groups[record["group"]].append(record)
     rows = []
+    pass_rates: Dict[str, Dict[str, float]] = {}  # group -> task -> passing samples / samples
     for group, recs in groups.items():
         config = Config(**recs[0]["config"])
         by_task: Dict[str, List[bool]] = defaultdict(list)
         for r in recs:
             by_task[r["task_id"]].append(bool(r["passed"]))
-        pass_at_1 = sum(sum(v) / len(v) for v in by_task.values()) / len(by_task)
+        pass_rates[group] = {t: sum(v) / len(v) for t, v in by_task.items()}
+        pass_at_1 = sum(pass_rates[group].values()) / len(by_task)
         new_tokens = sum(r["new_tokens"] for r in recs)
         generate_s = sum(r["seconds"] for r in recs)
         prefill_s = _sum_optional(r.get("prefill_seconds") for r in recs)
@@ -129,7 +131,7 @@ def summarize(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
         })
     _add_relative_columns(rows)
     _add_same_as_sd(rows, groups)
-    _add_paired_intervals(rows, groups)
+    _add_paired_intervals(rows, pass_rates)
     _add_projections(rows)
     return rows
 
@@ -170,20 +172,15 @@ def paired_bootstrap(a: Dict[str, float], b: Dict[str, float], resamples: int = 
     return sum(diffs) / n, means[int(tail * resamples)], means[min(resamples - 1, int((1 - tail) * resamples))]
 
 
-def _add_paired_intervals(rows: List[Dict[str, Any]], groups: Dict[str, List[Dict[str, Any]]]):
+def _add_paired_intervals(rows: List[Dict[str, Any]], pass_rates: Dict[str, Dict[str, float]]):
     """pass_delta_ci_low / _high: the paired 95% bootstrap interval of pass@1 minus SD's, on the
     problems both decoded (seeds of a problem averaged first; the same sampling regime only)."""
-    def rates(recs):
-        by_task: Dict[str, List[bool]] = defaultdict(list)
-        for r in recs:
-            by_task[r["task_id"]].append(bool(r["passed"]))
-        return {t: sum(v) / len(v) for t, v in by_task.items()}
     for row in rows:
         sds = [r for r in rows if r["rule"] == "sd" and r.get("draft_length", "fixed") == "fixed"
                and r["sampling"] == row["sampling"] and r["num_draft_tokens"] == row["num_draft_tokens"]]
         row["pass_delta_ci_low"] = row["pass_delta_ci_high"] = None
         if sds and sds[0] is not row:
-            mine, ref = rates(groups[row["group"]]), rates(groups[sds[0]["group"]])
+            mine, ref = pass_rates[row["group"]], pass_rates[sds[0]["group"]]
             if set(mine) & set(ref):
                 _, row["pass_delta_ci_low"], row["pass_delta_ci_high"] = paired_bootstrap(ref, mine)
 

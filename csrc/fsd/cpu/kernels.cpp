@@ -130,10 +130,13 @@ struct AcceptKernel {
       }
     }
     const float div_tau = pb.div_temperature.at(b);
-    const Dist p = divergence_dist(target_row(b, i), pb.target_vocab, t, pb.div_uses_sampling, div_tau,
-                                   target_exps);
-    const Dist q = divergence_dist(draft_row(b, i), pb.draft_vocab, d, pb.div_uses_sampling, div_tau,
-                                   draft_exps);
+    const bool dists = statistic_reads_dists(pb.rule);  // (else their sum passes are not needed)
+    const Dist p = dists ? divergence_dist(target_row(b, i), pb.target_vocab, t, pb.div_uses_sampling, div_tau,
+                                           target_exps)
+                         : t.sample;
+    const Dist q = dists ? divergence_dist(draft_row(b, i), pb.draft_vocab, d, pb.div_uses_sampling, div_tau,
+                                           draft_exps)
+                         : d.sample;
     const float sum = statistic_reads_sum(pb.rule)
                           ? divergence(pb.divergence, target_row(b, i), pb.target_vocab, p, draft_row(b, i),
                                        pb.draft_vocab, q, pb.div_top_k, scratch.filter, target_exps, draft_exps)
