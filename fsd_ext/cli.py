@@ -180,7 +180,7 @@ def check_args(args) -> None:
         check_calibrate_options(rule=args.rule, divergence=args.divergence,
                                 max_deviation=[b for group in args.max_deviation or [[0.02]] for b in group],
                                 thresholds=args.thresholds, temperature=args.temperature,
-                                refine_steps=args.refine_steps, seed=args.seed)
+                                refine_steps=args.refine_steps, seed=args.seed, walk=args.walk)
         folder = os.path.dirname(os.path.abspath(args.json)) if args.json else None
         if folder is not None and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
             raise ValueError(f"--json {args.json}: the folder {folder} does not exist or is not "
@@ -311,7 +311,7 @@ def cmd_calibrate(args) -> int:
         target, draft, prompts, divergence=args.divergence, max_deviation=budgets, rule=args.rule,
         thresholds=args.thresholds, temperature=args.temperature,
         num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
-        refine_steps=args.refine_steps, seed=args.seed, eos_token_id=eos_ids,
+        refine_steps=args.refine_steps, seed=args.seed, walk=args.walk, eos_token_id=eos_ids,
         on_point=lambda p: print(f"T={p.threshold:.6g}: {p.share:.2%} of {p.accepted_drafts} "
                                  f"accepted drafts SD would reject ({p.seconds:.1f} s)",
                                  file=sys.stderr, flush=True),
@@ -400,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "divergence's for fsd / fsd_strict: fsd_ext.types.threshold_grids)")
     cal.add_argument("--refine-steps", type=int, default=2,
                      help="bisections between the last candidate within budget and the next")
+    cal.add_argument("--walk", choices=["up", "down"], default=None,
+                     help="walk the candidates up from the exact end or down from the lenient end "
+                          "(default: down for the strict rules, whose share need not grow with T)")
     prompts = cal.add_mutually_exclusive_group()
     prompts.add_argument("--prompts-file", default=None,
                          help='JSONL, one {"prompt": "..."} per line (default: the demo prompts)')

@@ -162,6 +162,36 @@ def test_the_answer_is_never_over_budget_even_when_the_share_is_not_monotone(mon
             assert walk[-1] == over[0], trial  # the walk stopped at the first candidate over
 
 
+def test_strict_rules_walk_down_from_the_lenient_end(monkeypatch):
+    """A strict rule's share need not grow with T (typical_strict at a small T keeps a few drafts,
+    many of them SD-rejected): the walk comes down and stops at the first candidate within budget,
+    which the upward walk would never reach here."""
+    grid = (0.25, 0.5, 1.0, 2.0, 4.0)
+    table = {0.25: 0.09, 0.5: 0.01, 1.0: 0.015, 2.0: 0.03, 4.0: 0.04, 1.5: 0.02, 1.75: 0.025}
+    measured = scripted(monkeypatch, table.__getitem__)
+    cal = fsd_ext.calibrate(torch.nn.Linear(1, 1), None, [[1]], rule="typical_strict", thresholds=grid,
+                            max_deviation=0.02)
+    assert measured == [4.0, 2.0, 1.0, 1.5, 1.75]  # down to 1.0, then between 1.0 and 2.0
+    assert (cal.threshold, cal.deviation) == (1.5, 0.02)
+    up = fsd_ext.calibrate(torch.nn.Linear(1, 1), None, [[1]], rule="typical_strict", thresholds=grid,
+                           max_deviation=0.02, walk="up")
+    assert up.threshold == 0.0  # the negative control: 0.25 is over budget and ends the upward walk
+    scripted(monkeypatch, lambda t: 0.0)
+    top = fsd_ext.calibrate(torch.nn.Linear(1, 1), None, [[1]], rule="fsd_strict", max_deviation=0.02)
+    assert top.threshold == calibrate_module.CALIBRATION_GRID["js"][-1] and len(top.points) == 1
+
+    rng = random.Random(1)
+    for trial in range(300):  # whatever the shares: measured within budget, and no candidate above
+        shares = {}
+        measured = scripted(monkeypatch, lambda t: shares.setdefault(t, rng.random() * 0.2))
+        budget = rng.random() * 0.1
+        cal = fsd_ext.calibrate(torch.nn.Linear(1, 1), None, [[1]], max_deviation=budget, walk="down",
+                                thresholds=grid, refine_steps=rng.randrange(4))
+        assert cal.threshold == 0.0 or shares[cal.threshold] <= budget, trial
+        assert all(shares[t] > budget for t in grid if t > cal.threshold and t in shares), trial
+        assert all(t in shares for t in grid if t > cal.threshold), trial  # every larger one tried
+
+
 def test_every_candidate_over_budget_gives_zero(monkeypatch):
     measured = scripted(monkeypatch, lambda t: 0.5)
     cal = fsd_ext.calibrate(torch.nn.Linear(1, 1), None, [[1]], max_deviation=0.02)
@@ -194,7 +224,7 @@ def test_several_budgets_share_their_measurements(monkeypatch):
     (dict(prompts=[torch.ones(3)]), r"prompts\[0\]"), (dict(thresholds=[]), "thresholds"),
     (dict(thresholds=[0.1, -0.1]), "thresholds"), (dict(thresholds=[float("inf")]), "thresholds"),
     (dict(refine_steps=-1), "refine_steps"), (dict(refine_steps=1.5), "refine_steps"),
-    (dict(temperature=-1.0), "temperature"), (dict(seed="0"), "seed"),
+    (dict(temperature=-1.0), "temperature"), (dict(seed="0"), "seed"), (dict(walk="sideways"), "walk"),
     (dict(threshold=0.3), "threshold"), (dict(output_divergences=False), "output_divergences"),
 ])
 def test_bad_arguments_raise_naming_the_argument(monkeypatch, kwargs, name):

@@ -6,11 +6,12 @@ test u q(d) <= p(d) (generate's stats.sd_rejected_accepted; docs/generate.md). c
 a set of prompts one by one at rising thresholds and keeps the largest T whose share of such drafts
 among all accepted drafts, pooled over the prompts, is at most max_deviation.
 
-The search assumes only that the share tends to grow with T: candidates are tried in ascending
-order, the first one over budget ends the grid walk, and `refine_steps` bisections then narrow the
-bracket between the last candidate within budget and that first one over it. The answer is always
-a threshold that was measured within budget (or 0, which is SD itself for rule "fsd"), whatever the
-measurements do; a share that is not monotone in T may hide a larger threshold that would pass.
+The hybrid rules' share tends to grow with T, so their walk goes up: candidates in ascending order,
+the first one over budget ends it. A strict rule's share need not (a small T keeps few drafts, and
+those may be mostly SD-rejected ones), so its walk comes down from the lenient end and the first
+candidate within budget ends it. `refine_steps` bisections then narrow the bracket between that
+candidate within budget and its neighbour over it. The answer is always a threshold measured within
+budget (or 0: SD itself for the hybrid rules), whatever the measurements do.
 """
 
 from __future__ import annotations
@@ -23,13 +24,15 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from .loop import generate
-from ..types import DIVERGENCE_TABLE, LENIENT_RULES, VerifyOptions, check_threshold, threshold_grids
+from ..types import (DIVERGENCE_TABLE, LENIENT_RULES, VerifyOptions, check_threshold, rule_spec,
+                     threshold_grids)
 
 # Default candidates per divergence (fsd_ext.types.DIVERGENCE_TABLE): doubling grids inside each
 # divergence's range (js <= ln 2, tv <= 1; kl, rkl and mkl are unbounded: up to 6.4 nats). The other
 # lenient rules have their own (types.RULE_TABLE; types.threshold_grids picks).
 CALIBRATION_GRID: Dict[str, tuple] = {d.name: d.calibration_grid for d in DIVERGENCE_TABLE}
 CALIBRATE_RULES = LENIENT_RULES
+WALKS = ("up", "down")  # from the exact end (T small) or from the lenient end (T large)
 # generate() arguments that calibrate sets itself.
 _OWN_ARGS = ("threshold", "output_divergences", "input_ids", "attention_mask")
 
@@ -116,17 +119,24 @@ def _measure(target, draft, prompts: List[torch.Tensor], threshold: float, seed:
 
 
 def _search(measure: Callable[[float, bool], CalibrationPoint], grid: Sequence[float], budget: float,
-            refine_steps: int) -> tuple:
-    """-> (threshold, deviation, points in the order measured) for one budget."""
+            refine_steps: int, walk: str) -> tuple:
+    """-> (threshold, deviation, points in the order measured) for one budget. walk "up": ascending
+    from the exact end, the first candidate over budget ends it; "down": descending from the lenient
+    end, the first candidate within budget ends it. Either way the bisections then narrow the bracket
+    between the candidate within budget and its neighbour over it."""
     points, low, low_share, high = [], None, 0.0, None
-    for threshold in grid:
+    for threshold in (grid if walk == "up" else reversed(grid)):
         point = measure(threshold, False)
         points.append(point)
         if point.share > budget:
             high = threshold
-            break
-        low, low_share = threshold, point.share
-    if low is not None and high is not None:
+            if walk == "up":
+                break
+        else:
+            low, low_share = threshold, point.share
+            if walk == "down":
+                break
+    if low is not None and high is not None and high > low:
         for _ in range(refine_steps):
             point = measure((low + high) / 2, True)
             points.append(point)
@@ -158,10 +168,14 @@ def _check_fraction(value, name: str) -> float:
 
 
 def check_calibrate_options(*, rule, divergence, max_deviation, thresholds, temperature,
-                            refine_steps, seed):
+                            refine_steps, seed, walk=None):
     """calibrate()'s own options (no model needed; the command line checks them before loading)
-    -> (budgets, sorted threshold grid); raises ValueError."""
+    -> (budgets, sorted threshold grid, walk); raises ValueError."""
     VerifyOptions(rule, divergence, threshold=0.0).check(rules=CALIBRATE_RULES)
+    if walk is None:
+        walk = "down" if rule_spec(rule).strict else "up"
+    if walk not in WALKS:
+        raise ValueError(f"walk must be one of {', '.join(WALKS)} or None, got {walk!r}")
     several = isinstance(max_deviation, Sequence) and not isinstance(max_deviation, str)
     budgets = list(max_deviation) if several else [max_deviation]
     if not budgets:
@@ -183,24 +197,24 @@ def check_calibrate_options(*, rule, divergence, max_deviation, thresholds, temp
         if t == math.inf:
             raise ValueError(f"thresholds must be finite (calibration compares them), got {thresholds!r}")
     grid = sorted({float(t) for t in grid})
-    return budgets, grid
+    return budgets, grid, walk
 
 
 def calibrate(target, draft, prompts, *, divergence: str = "js",
               max_deviation: Union[float, Sequence[float]] = 0.02, rule: str = "fsd",
               thresholds: Optional[Sequence[float]] = None, temperature: float = 0.0,
               num_draft_tokens: int = 5, max_new_tokens: int = 128, refine_steps: int = 2,
-              seed: int = 0, on_point: Optional[Callable[[CalibrationPoint], None]] = None,
-              **generate_kwargs) -> Union[Calibration, List[Calibration]]:
+              seed: int = 0, walk: Optional[str] = None,
+              on_point: Optional[Callable[[CalibrationPoint], None]] = None, **generate_kwargs) -> Union[Calibration, List[Calibration]]:
     """The largest threshold T whose share of accepted drafts that exact SD would have rejected,
     pooled over `prompts`, is at most `max_deviation`.
 
     Each prompt is decoded alone (batch 1) with fsd_ext.generate at each threshold tried. The
-    candidates (`thresholds`, default types.threshold_grids(rule, divergence)) are tried in ascending
-    order up to the first whose share is over budget; then `refine_steps` bisections between the last
-    one within budget and that one. This assumes the share grows with T and nothing more: the answer
-    is always a threshold measured within budget, or 0.0 when no candidate is (for the hybrid rules
-    T = 0 is exactly SD, with share 0; for the strict ones it accepts no draft). Cost:
+    candidates (`thresholds`, default types.threshold_grids(rule, divergence)) are walked up to the
+    first whose share is over budget (walk "up"), or down to the first within it ("down"); then
+    `refine_steps` bisections between the candidate within budget and its neighbour over it. The
+    answer is always a threshold measured within budget, or 0.0 when no candidate is (for the hybrid
+    rules T = 0 is exactly SD, with share 0; for the strict ones it accepts no draft). Cost:
     up to (candidates tried + refine_steps) x len(prompts) decodes.
 
     Under greedy decoding (temperature 0) the count is exact and free. Under sampling generate
@@ -217,6 +231,8 @@ def calibrate(target, draft, prompts, *, divergence: str = "js",
         thresholds: candidates (floats >= 0, finite) instead of the default grid.
         temperature, num_draft_tokens, max_new_tokens, seed: as in fsd_ext.generate.
         refine_steps: bisections after the grid walk (int >= 0).
+        walk: "up" (from the exact end) or "down" (from the lenient end); None: "down" for the
+            strict rules, whose share need not grow with T, "up" for the others.
         on_point: called with each CalibrationPoint as it is measured (progress).
         **generate_kwargs: passed on to fsd_ext.generate (eos_token_id, top_p, div_temperature, ...).
 
@@ -228,9 +244,9 @@ def calibrate(target, draft, prompts, *, divergence: str = "js",
         ...                         divergence="js", max_deviation=0.02, eos_token_id=eos)
         >>> print(cal.summary()); cal.threshold
     """
-    budgets, grid = check_calibrate_options(
+    budgets, grid, walk = check_calibrate_options(
         rule=rule, divergence=divergence, max_deviation=max_deviation, thresholds=thresholds,
-        temperature=temperature, refine_steps=refine_steps, seed=seed)
+        temperature=temperature, refine_steps=refine_steps, seed=seed, walk=walk)
     several = isinstance(max_deviation, Sequence) and not isinstance(max_deviation, str)
     reserved = sorted(set(generate_kwargs) & set(_OWN_ARGS))
     if reserved:
@@ -255,7 +271,7 @@ def calibrate(target, draft, prompts, *, divergence: str = "js",
 
     results = []
     for budget in budgets:
-        threshold, deviation, points = _search(measure, grid, budget, refine_steps)
+        threshold, deviation, points = _search(measure, grid, budget, refine_steps, walk)
         results.append(Calibration(threshold=threshold, deviation=deviation, max_deviation=budget,
                                    divergence=divergence, rule=rule, temperature=float(temperature),
                                    num_prompts=len(prompts), points=points))
