@@ -181,8 +181,12 @@ def test_draft_length_configs_and_specs():
 @pytest.fixture(autouse=True)
 def no_waiting_for_a_quiet_machine(monkeypatch):
     """A fake decode lasts about a millisecond: one clock tick of another process reads as
-    contention, and on a busy machine each retry would wait up to 10 minutes for quiet."""
+    contention, and on a busy machine each retry would wait up to 10 minutes for quiet (and add a
+    decode to the counts these tests check). The machine reads as idle; the contention test sets
+    its own clock."""
     monkeypatch.setattr(runner, "_wait_until_quiet", lambda *args, **kwargs: None)
+    monkeypatch.setattr(runner, "_machine_busy_seconds", lambda: 0.0)
+    monkeypatch.setattr(runner, "_own_cpu_seconds", lambda: 0.0)
 
 
 class FakeBackend(runner.Backend):
@@ -385,6 +389,8 @@ def test_pass_at_1_pools_seeds_per_problem():
     (row,) = summarize(records)
     assert row["seeds"] == 4 and row["samples"] == 8 and row["problems"] == 2
     assert row["pass_at_1"] == pytest.approx((2 / 4 + 4 / 4) / 2)
+    # Seeds 0 and 3 pass both problems, 1 and 2 one of them.
+    assert (row["pass_at_1_seed_min"], row["pass_at_1_seed_max"]) == (0.5, 1.0)
 
 
 def test_sweep_summary_files_and_plots(tmp_path):

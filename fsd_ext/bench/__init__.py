@@ -12,6 +12,7 @@ is appended to `results.jsonl`, keyed by (setup, configuration, seed, problem). 
 continues where it left off. The summary aggregates per configuration (seeds pooled):
 
     pass_at_1              mean over problems of (passing samples / samples)
+    pass_at_1_seed_min/max the spread over seeds: the lowest and highest one seed's pass@1
     tokens_per_s           generated tokens / seconds inside generate (summed over problems; the
                            prompt forwards included, so short completions on a CPU are dominated
                            by them)

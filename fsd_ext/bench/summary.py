@@ -17,7 +17,7 @@ from .grid import Config
 SUMMARY_FIELDS = (
     "label", "group", "rule", "divergence", "threshold", "sampling", "num_draft_tokens",
     "draft_length", "seeds",
-    "problems", "samples", "pass_at_1", "tokens_per_s", "decode_tokens_per_s", "speedup_vs_ar",
+    "problems", "samples", "pass_at_1", "pass_at_1_seed_min", "pass_at_1_seed_max", "tokens_per_s", "decode_tokens_per_s", "speedup_vs_ar",
     "speedup_vs_sd",
     "pass_delta_vs_sd", "mean_accepted", "mean_drafted", "tokens_per_target_call",
     "draft_cost_ratio", "ceiling_tokens_per_s", "target_calls", "draft_calls",
@@ -88,6 +88,11 @@ def summarize(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
             by_task[r["task_id"]].append(bool(r["passed"]))
         pass_rates[group] = {t: sum(v) / len(v) for t, v in by_task.items()}
         pass_at_1 = sum(pass_rates[group].values()) / len(by_task)
+        # The spread over seeds: each seed's pass@1 over the problems it decoded.
+        by_seed: Dict[int, List[bool]] = defaultdict(list)
+        for r in recs:
+            by_seed[r["config"]["seed"]].append(bool(r["passed"]))
+        seed_pass = [sum(v) / len(v) for v in by_seed.values()]
         new_tokens = sum(r["new_tokens"] for r in recs)
         generate_s = sum(r["seconds"] for r in recs)
         prefill_s = _sum_optional(r.get("prefill_seconds") for r in recs)
@@ -112,6 +117,7 @@ def summarize(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
             "sampling": config.sampling, "num_draft_tokens": config.num_draft_tokens,
             "seeds": len({r["config"]["seed"] for r in recs}), "problems": len(by_task),
             "samples": len(recs), "pass_at_1": pass_at_1,
+            "pass_at_1_seed_min": min(seed_pass), "pass_at_1_seed_max": max(seed_pass),
             "tokens_per_s": None if batched else new_tokens / generate_s if generate_s > 0 else float("nan"),
             "decode_tokens_per_s": (new_tokens / (generate_s - setup_s)
                                     if setup_s is not None and generate_s > setup_s and not batched else None),
