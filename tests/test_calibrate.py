@@ -89,7 +89,8 @@ def test_budget_one_returns_the_largest_candidate(target, draft, prompts):
 
 
 def test_a_budget_nobody_meets_returns_zero(target, draft, prompts):
-    cal = fsd_ext.calibrate(target, draft, prompts, thresholds=GRID[1:], max_deviation=0.0, **DECODE)
+    cal = fsd_ext.calibrate(target, draft, prompts, thresholds=GRID[1:], max_deviation=0.0,
+                            refine_steps=0, **DECODE)
     assert (cal.threshold, cal.deviation) == (0.0, 0.0)
     assert [p.threshold for p in cal.points] == [GRID[1]] and cal.points[0].share > 0
 
@@ -196,7 +197,22 @@ def test_every_candidate_over_budget_gives_zero(monkeypatch):
     measured = scripted(monkeypatch, lambda t: 0.5)
     cal = fsd_ext.calibrate(torch.nn.Linear(1, 1), None, [[1]], max_deviation=0.02)
     assert (cal.threshold, cal.deviation) == (0.0, 0.0)
-    assert measured == [calibrate_module.CALIBRATION_GRID["js"][0]]
+    first = calibrate_module.CALIBRATION_GRID["js"][0]
+    assert measured == [first, first / 2, first / 4]  # bisected towards T = 0 (SD), all over
+
+
+def test_a_hybrid_rule_bisects_below_its_first_candidate(monkeypatch):
+    """T = 0 is SD (share 0) for a hybrid rule, so a first candidate over budget still brackets a
+    knob; a strict rule accepts nothing at 0 and gets no such bracket (the control)."""
+    measured = scripted(monkeypatch, lambda t: 0.01 if t < 0.1 else 0.05)
+    cal = fsd_ext.calibrate(torch.nn.Linear(1, 1), None, [[1]], rule="cascade",
+                            thresholds=(0.125, 0.25), max_deviation=0.02, refine_steps=3)
+    assert measured == [0.125, 0.0625, 0.09375, 0.109375]
+    assert (cal.threshold, cal.deviation) == (0.09375, 0.01)
+    measured.clear()
+    strict = fsd_ext.calibrate(torch.nn.Linear(1, 1), None, [[1]], rule="fsd_strict", walk="up",
+                               thresholds=(0.125, 0.25), max_deviation=0.02, refine_steps=3)
+    assert measured == [0.125] and strict.threshold == 0.0
 
 
 def test_several_budgets_share_their_measurements(monkeypatch):

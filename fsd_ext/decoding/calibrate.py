@@ -10,7 +10,8 @@ The hybrid rules' share tends to grow with T, so their walk goes up: candidates 
 the first one over budget ends it. A strict rule's share need not (a small T keeps few drafts, and
 those may be mostly SD-rejected ones), so its walk comes down from the lenient end and the first
 candidate within budget ends it. `refine_steps` bisections then narrow the bracket between that
-candidate within budget and its neighbour over it. The answer is always a threshold measured within
+candidate within budget (for a hybrid rule whose first candidate is over: T = 0, SD itself) and its
+neighbour over it. The answer is always a threshold measured within
 budget (or 0: SD itself for the hybrid rules), whatever the measurements do.
 """
 
@@ -119,12 +120,15 @@ def _measure(target, draft, prompts: List[torch.Tensor], threshold: float, seed:
 
 
 def _search(measure: Callable[[float, bool], CalibrationPoint], grid: Sequence[float], budget: float,
-            refine_steps: int, walk: str) -> tuple:
+            refine_steps: int, walk: str, hybrid: bool) -> tuple:
     """-> (threshold, deviation, points in the order measured) for one budget. walk "up": ascending
     from the exact end, the first candidate over budget ends it; "down": descending from the lenient
     end, the first candidate within budget ends it. Either way the bisections then narrow the bracket
-    between the candidate within budget and its neighbour over it."""
-    points, low, low_share, high = [], None, 0.0, None
+    between the candidate within budget and its neighbour over it; for a hybrid rule T = 0 (SD, share
+    0) is within budget without a measurement, so a first candidate over budget is bisected towards 0."""
+    points, high = [], None
+    low = 0.0 if hybrid and walk == "up" else None
+    low_share = 0.0
     for threshold in (grid if walk == "up" else reversed(grid)):
         point = measure(threshold, False)
         points.append(point)
@@ -212,9 +216,10 @@ def calibrate(target, draft, prompts, *, divergence: str = "js",
     Each prompt is decoded alone (batch 1) with fsd_ext.generate at each threshold tried. The
     candidates (`thresholds`, default types.threshold_grids(rule, divergence)) are walked up to the
     first whose share is over budget (walk "up"), or down to the first within it ("down"); then
-    `refine_steps` bisections between the candidate within budget and its neighbour over it. The
-    answer is always a threshold measured within budget, or 0.0 when no candidate is (for the hybrid
-    rules T = 0 is exactly SD, with share 0; for the strict ones it accepts no draft). Cost:
+    `refine_steps` bisections between the candidate within budget and its neighbour over it (for a
+    hybrid rule T = 0, exactly SD with share 0, counts as within: a first candidate over budget is
+    bisected towards it). The answer is always a threshold measured within budget, or 0.0 when none
+    is (for the strict rules T = 0 accepts no draft). Cost:
     up to (candidates tried + refine_steps) x len(prompts) decodes.
 
     Under greedy decoding (temperature 0) the count is exact and free. Under sampling generate
@@ -271,7 +276,8 @@ def calibrate(target, draft, prompts, *, divergence: str = "js",
 
     results = []
     for budget in budgets:
-        threshold, deviation, points = _search(measure, grid, budget, refine_steps, walk)
+        threshold, deviation, points = _search(measure, grid, budget, refine_steps, walk,
+                                               hybrid=not rule_spec(rule).strict)
         results.append(Calibration(threshold=threshold, deviation=deviation, max_deviation=budget,
                                    divergence=divergence, rule=rule, temperature=float(temperature),
                                    num_prompts=len(prompts), points=points))
