@@ -832,7 +832,26 @@ def test_other_lenient_rules_in_the_grid_configs_and_plots(tmp_path):
     assert (tmp_path / "rules_frontier.png").stat().st_size > 0
 
 
-def test_paired_interval_and_projections():
+def test_rules_frontier_axis_shows_every_row(tmp_path, monkeypatch):
+    """The pass@1 axis spans the lenient rows too (it once followed SD's alone, and a row 9 points
+    below SD's fell off the plot)."""
+    from fsd_ext.bench import plots
+
+    limits = {}
+    save = plots._save
+
+    def keep_limits(fig, plt, out_dir, name):
+        limits[name] = fig.axes[0].get_ylim()
+        return save(fig, plt, out_dir, name)
+
+    monkeypatch.setattr(plots, "_save", keep_limits)
+    records = [_record("sd/K=5/greedy", f"t{i}", True, rule="sd", divergence=None, threshold=None)
+               for i in range(10)]
+    records += [_record("fsd/js/T=0.6/K=5/greedy", f"t{i}", i < 5, threshold=0.6) for i in range(10)]
+    plots.plot_all(summarize(records), str(tmp_path))
+    low, high = limits["rules_frontier.png"]
+    assert low <= 50 and high >= 100
+
     """pass_delta_ci_*: a paired bootstrap against SD in the same regime, seeds averaged per
     problem; projected_vs_sd_*: (accepted + 1) / (verify cost + drafted x draft cost) over SD's."""
     tasks = [f"t{i}" for i in range(40)]

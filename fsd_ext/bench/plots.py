@@ -33,6 +33,13 @@ def _pyplot():
     return plt
 
 
+def _percent_ylim(ax, rows):
+    """A pass@1 axis that shows every row, readable even when all have the same pass@1."""
+    passes = [100 * r["pass_at_1"] for r in rows]
+    if passes:
+        ax.set_ylim(max(-1.0, min(passes) - 5), min(101.0, max(passes) + 5))
+
+
 def _scatter_rows(ax, rows, xkey, annotate=True):
     for r in rows:
         x, y = r[xkey], 100 * r["pass_at_1"]
@@ -46,9 +53,7 @@ def _scatter_rows(ax, rows, xkey, annotate=True):
             if annotate:
                 ax.annotate(f"{r['threshold']:g}", (x, y), textcoords="offset points",
                             xytext=(4, 4), fontsize=7, color="dimgray")
-    passes = [100 * r["pass_at_1"] for r in rows]
-    if passes:  # a readable percent axis even when every row has the same pass@1
-        ax.set_ylim(max(-1.0, min(passes) - 5), min(101.0, max(passes) + 5))
+    _percent_ylim(ax, rows)
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
     ax.legend(unique.values(), unique.keys(), fontsize=8, loc="best")
@@ -112,6 +117,12 @@ def plot_all(rows: Sequence[Dict[str, Any]], out_dir: str, title: str = "") -> L
         pts = sorted((r["tokens_per_target_call"], 100 * r["pass_at_1"]) for r in rows
                      if r["rule"] == rule and r["divergence"] == divergence)
         ax.plot(*zip(*pts), marker=marker, color=color, label=name, linestyle="--" if marker == "^" else "-")
+        for r in rows:  # each point's knob
+            if r["rule"] == rule and r["divergence"] == divergence:
+                ax.annotate(f"{r['threshold']:g}", (r["tokens_per_target_call"], 100 * r["pass_at_1"]),
+                            textcoords="offset points", xytext=(4, 4), fontsize=7, color="dimgray")
+    # Every row, not only the AR / SD ones _scatter_rows saw (a lenient row fell off the axis).
+    _percent_ylim(ax, [r for r in rows if r["rule"] in ("ar", "sd") or r["rule"] in LENIENT_RULES])
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
     ax.legend(unique.values(), unique.keys(), fontsize=8, loc="best")
