@@ -924,39 +924,3 @@ def test_batched_sweep_records_and_summary(tmp_path):
     with pytest.raises(ValueError, match="batch_size"):
         runner.run_sweep(configs, PROBLEMS[:5], Batched(), store, progress=False, batch_size=2, order="problem")
 
-
-def test_compare_regimes_pairs_problems_across_runs(tmp_path, capsys):
-    """benchmarks/compare_regimes.py: pooled tokens per target call over SD's per regime, seeds
-    pooled per problem, only problems every named configuration decoded; a missing group is named."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "compare_regimes", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "compare_regimes.py"))
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
-
-    def write(folder, rows):
-        folder.mkdir()
-        with open(folder / "results.jsonl", "w") as handle:
-            for group, task, tokens, calls, passed in rows:
-                handle.write(json.dumps({"group": group, "task_id": f"HumanEval/{task}", "new_tokens": tokens,
-                                         "target_calls": calls, "passed": passed}) + "\n")
-
-    write(tmp_path / "g", [("sd", 0, 40, 10, True), ("fsd", 0, 40, 8, True), ("sd", 1, 20, 5, True),
-                           ("fsd", 1, 20, 5, False), ("sd", 2, 9, 1, True)])  # 2: fsd never ran it
-    write(tmp_path / "s", [("sd", t, 30, 10, True) for t in (0, 0, 1, 1)]
-          + [("fsd", t, 30, c, True) for t, c in ((0, 10), (0, 5), (1, 10), (1, 10))])
-    loaded = compare.load(str(tmp_path / "s"), {"HumanEval/0", "HumanEval/1"})
-    assert loaded["fsd"]["HumanEval/0"] == (60, 15, 1.0)  # two seeds pooled
-    tasks = ["HumanEval/0", "HumanEval/1"]
-    greedy = compare.load(str(tmp_path / "g"), set(tasks))
-    assert compare.gain(greedy["fsd"], greedy["sd"], tasks) == pytest.approx((60 / 13) / (60 / 15))
-    assert compare.gain(loaded["fsd"], loaded["sd"], tasks) == pytest.approx((120 / 35) / 3)
-    assert compare.pass_delta(greedy["fsd"], greedy["sd"], tasks) == -0.5
-    argv = ["--greedy", str(tmp_path / "g"), "--sampled", str(tmp_path / "s"), "--ids", "0-2",
-            "--greedy-sd", "sd", "--sampled-sd", "sd"]
-    assert compare.main(argv + ["--pair", "fsd 2%", "fsd", "fsd"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("2 problems") and "| fsd 2% | 1.154 [" in out and "| -50.0 [" in out
-    with pytest.raises(SystemExit, match="no group 'typical' in the sampled run"):
-        compare.main(argv + ["--pair", "typical 2%", "fsd", "typical"])
