@@ -17,8 +17,8 @@ from .grid import Config
 SUMMARY_FIELDS = (
     "label", "group", "rule", "divergence", "threshold", "sampling", "num_draft_tokens",
     "draft_length", "seeds",
-    "problems", "samples", "pass_at_1", "pass_at_1_seed_min", "pass_at_1_seed_max", "tokens_per_s", "decode_tokens_per_s", "speedup_vs_ar",
-    "speedup_vs_sd",
+    "problems", "samples", "pass_at_1", "pass_at_1_seed_min", "pass_at_1_seed_max", "tokens_per_s",
+    "decode_tokens_per_s", "speedup_vs_ar", "speedup_vs_sd",
     "pass_delta_vs_sd", "mean_accepted", "mean_drafted", "tokens_per_target_call",
     "draft_cost_ratio", "ceiling_tokens_per_s", "target_calls", "draft_calls",
     "target_s", "draft_s", "new_tokens", "generate_s", "wall_s", "accepted_drafts",

@@ -11,8 +11,8 @@ the first one over budget ends it. A strict rule's share need not (a small T kee
 those may be mostly SD-rejected ones), so its walk comes down from the lenient end and the first
 candidate within budget ends it. `refine_steps` bisections then narrow the bracket between that
 candidate within budget (for a hybrid rule whose first candidate is over: T = 0, SD itself) and its
-neighbour over it. The answer is always a threshold measured within
-budget (or 0: SD itself for the hybrid rules), whatever the measurements do.
+neighbour over it. The answer is always a threshold measured within budget (or 0: SD itself for the
+hybrid rules), whatever the measurements do.
 """
 
 from __future__ import annotations
@@ -209,7 +209,8 @@ def calibrate(target, draft, prompts, *, divergence: str = "js",
               thresholds: Optional[Sequence[float]] = None, temperature: float = 0.0,
               num_draft_tokens: int = 5, max_new_tokens: int = 128, refine_steps: int = 2,
               seed: int = 0, walk: Optional[str] = None,
-              on_point: Optional[Callable[[CalibrationPoint], None]] = None, **generate_kwargs) -> Union[Calibration, List[Calibration]]:
+              on_point: Optional[Callable[[CalibrationPoint], None]] = None,
+              **generate_kwargs) -> Union[Calibration, List[Calibration]]:
     """The largest threshold T whose share of accepted drafts that exact SD would have rejected,
     pooled over `prompts`, is at most `max_deviation`.
 
