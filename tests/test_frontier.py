@@ -344,6 +344,25 @@ def test_summary_math():
     assert {r["rule"] for r in lossy_rows if r["pareto"]} == {"sd", "fsd"}
 
 
+def test_tokens_per_s_only_from_decodes_that_ran_their_prompts():
+    """Records decoded with shared prompt forwards (--share-prompts) give pass@1 and tokens per
+    target call but no tokens/s: a group's speed comes from its other records (timed_problems)."""
+    records = [_record("sd", t, True, rule="sd", new_tokens=10, seconds=s, target_calls=4, accepted=6,
+                       steps=3) for t, s in (("t0", 2.0), ("t1", 4.0), ("t2", 1.0))]
+    for r in records:
+        r["prefill_seconds"] = 0.5
+    records[2]["prompt_shared"] = True
+    (row,) = summarize(records)
+    assert (row["problems"], row["timed_problems"]) == (3, 2)
+    assert row["tokens_per_s"] == pytest.approx(20 / 6.0)
+    assert row["decode_tokens_per_s"] == pytest.approx(20 / 5.0)
+    assert row["tokens_per_target_call"] == pytest.approx(30 / 12)
+    for r in records:
+        r["prompt_shared"] = True
+    (row,) = summarize(records)
+    assert row["timed_problems"] == 0 and row["tokens_per_s"] is row["decode_tokens_per_s"] is None
+
+
 def test_adaptive_targets_drafted_cost_and_same_outputs():
     def rec(task, rule="sd", seconds=1.0, text="x", draft_length="fixed", passed=True):
         r = _record(None, task, passed, rule=rule, new_tokens=12, seconds=seconds, target_calls=4,
@@ -906,6 +925,30 @@ def test_batched_decodes_are_the_single_ones(config):
     assert sum(g.seconds for g in batch) > 0
 
 
+def test_shared_prompts_give_the_same_records(tmp_path):
+    """HFBackend(share_prompts=True) over a sweep in problem order: every record's text and counts
+    are those of the plain backend, and carry prompt_shared."""
+    import helpers
+    target = helpers.tiny_llama(0, 2, logit_scale=8.0)
+    draft = helpers.tiny_llama(1, 1, logit_scale=8.0)
+    configs = [Config("sd"), Config("fsd", "js", 0.5), Config("cascade", None, 1.5, temperature=0.9, seed=3)]
+    problems = [{"task_id": f"t{i}", "prompt": p, "test": "", "entry_point": "f"}
+                for i, p in enumerate(["def f(x):", "import os\nprint("])]
+    kept = ("generated_text", "new_tokens", "target_calls", "draft_calls", "accepted_drafts", "sd_rejected")
+    stores = {}
+    for share in (False, True):
+        backend = runner.HFBackend(target, draft, _CharTokenizer(), max_new_tokens=12, use_chat=False,
+                                   eos_token_id=[2], use_cuda_graphs=False, share_prompts=share)
+        store = stores[share] = ResultStore(str(tmp_path / f"{share}.jsonl"))
+        runner.run_sweep(configs, problems, backend, store, progress=False, order="problem",
+                         max_contention=None)
+        assert backend.prompt_cache is None or backend.prompt_cache.hits == 2 * (len(configs) - 1) * 2
+    for key, record in stores[False].records.items():
+        shared = stores[True].records[key]
+        assert [record[k] for k in kept] == [shared[k] for k in kept]
+        assert (record["prompt_shared"], shared["prompt_shared"]) == (False, True)
+
+
 def test_batched_sweep_records_and_summary(tmp_path):
     class Batched(FakeBackend):
         def complete_batch(self, config, prompts):
@@ -919,7 +962,11 @@ def test_batched_sweep_records_and_summary(tmp_path):
     assert runner.run_sweep(configs, PROBLEMS[:5], Batched(), store, progress=False, batch_size=2) == 10
     assert sorted(r["batch"] for r in store.records.values()) == [1, 1, 2, 2, 2, 2, 2, 2, 2, 2]
     rows = summarize(list(store.records.values()))
-    assert all(r["tokens_per_s"] is None and not r["pareto"] for r in rows)
+    # tokens/s from the one problem decoded at batch 1 (the fifth), which timed_problems says.
+    assert [r["timed_problems"] for r in rows] == [1, 1]
+    for row in rows:
+        alone = [r for r in store.records.values() if r["group"] == row["group"] and r["batch"] == 1]
+        assert row["tokens_per_s"] == pytest.approx(alone[0]["new_tokens"] / alone[0]["seconds"])
     assert [r["pass_at_1"] for r in rows] == [1.0, 1.0]
     with pytest.raises(ValueError, match="batch_size"):
         runner.run_sweep(configs, PROBLEMS[:5], Batched(), store, progress=False, batch_size=2, order="problem")

@@ -479,6 +479,44 @@ def test_graph_shaped_path_matches_eager_on_cpu(target, draft, monkeypatch, rule
     assert graphed.stats.target_forwards == eager.stats.target_forwards
 
 
+@pytest.mark.parametrize("graph_shaped", [False, True])
+def test_prompt_cache_keeps_every_token_and_count(target, draft, monkeypatch, graph_shaped):
+    """A PromptCache across calls on one left-padded batch (rules, temperatures, seeds, K varying):
+    the same sequences and forward counts as without it, the prompt forwards run once per model,
+    a new prompt or model runs its own; the negative control, saved entries spoiled, changes the
+    tokens (so the entries are what the later calls read)."""
+    ids, mask = random_prompts([5, 12, 2], seed=44)
+    other_ids, other_mask = random_prompts([5, 12, 3], seed=45)
+    calls = [dict(rule="sd", temperature=0.0), dict(rule="fsd", temperature=0.8, seed=3),
+             dict(rule="typical", threshold=0.5, temperature=0.8, seed=4),
+             dict(rule="fsd", temperature=0.0, num_draft_tokens=2), dict(rule="ar", temperature=0.0)]
+    run = functools.partial(generate_graph_shaped, monkeypatch, reuse=True) if graph_shaped else fsd_ext.generate
+    cache = fsd_ext.decoding.PromptCache()
+    for extra in calls:
+        kwargs = dict(dict(num_draft_tokens=3, max_new_tokens=12, eos_token_id=[]), **extra)
+        plain = fsd_ext.generate(target, draft, ids, mask, **kwargs)
+        shared = run(target, draft, ids, mask, prompt_cache=cache, **kwargs)
+        monkeypatch.undo()
+        assert shared.sequences.tolist() == plain.sequences.tolist(), extra
+        assert (shared.stats.target_forwards, shared.stats.draft_forwards) == \
+            (plain.stats.target_forwards, plain.stats.draft_forwards)
+        assert shared.stats.prefill_reused == (extra is not calls[0]) and not plain.stats.prefill_reused
+    assert (cache.misses, cache.hits) == (2, 7)  # target + draft once; then 4 targets, 3 drafts
+    fsd_ext.generate(target, draft, other_ids, other_mask, prompt_cache=cache, max_new_tokens=4)
+    fsd_ext.generate(draft, draft, other_ids, other_mask, prompt_cache=cache, max_new_tokens=4)
+    assert cache.misses == 5  # the new prompt (both models), then the draft as target
+    plain = fsd_ext.generate(target, draft, ids, mask, rule="sd", temperature=0.0, max_new_tokens=12)
+    fsd_ext.generate(target, draft, ids, mask, rule="sd", prompt_cache=cache, max_new_tokens=1)
+    for entry in cache._entries.values():  # the negative control
+        for saved in entry[3] + entry[4]:
+            saved.normal_(0.0, 10.0)
+    spoiled = fsd_ext.generate(target, draft, ids, mask, rule="sd", temperature=0.0,
+                               prompt_cache=cache, max_new_tokens=12)
+    assert spoiled.sequences.tolist() != plain.sequences.tolist()
+    with pytest.raises(TypeError, match="prompt_cache"):
+        fsd_ext.generate(target, draft, ids, mask, prompt_cache={})
+
+
 def test_forward_clock_on_cuda_reads_events_once(monkeypatch):
     """On CUDA a forward records two events and waits for nothing; the total reads them all once
     (after waiting for the last). Here with stand-in events on the host clock."""

@@ -94,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser):
     run.add_argument("--batch-size", type=int, default=1,
                      help="decode a configuration's problems this many at a time (with --order config): "
                           "an accuracy run, whose summary gives no tokens/s (time batch 1 on a subset)")
+    run.add_argument("--share-prompts", action="store_true",
+                     help="run each prompt's forwards once for all configurations (same tokens; "
+                          "with --order problem): an accuracy run, whose summary gives no tokens/s")
     run.add_argument("--summarize-only", action="store_true", help="only rebuild summary and plots")
     run.add_argument("--summary-dir", default=None,
                      help="where the summary and plots go (default: --out), e.g. a table of the "
@@ -221,7 +224,8 @@ def _run(args, backend: Optional[Backend]) -> List[Dict[str, Any]]:
                                 use_chat=False if args.no_chat else None,
                                 check_sd=not args.no_sd_check,
                                 use_cuda_graphs=False if args.no_cuda_graphs else "auto",
-                                names={"target": args.target, "draft": args.draft}, task=args.task)
+                                names={"target": args.target, "draft": args.draft}, task=args.task,
+                                share_prompts=args.share_prompts)
         setup = backend.setup()
     sid = setup_id(setup)
     print(f"{len(configs)} configurations x {len(problems)} problems -> {args.out} "

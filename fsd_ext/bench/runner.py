@@ -37,6 +37,7 @@ class Generation:
     accepted_drafts: float = 0.0       # accepted drafts, summed over verification steps
     verify_steps: int = 0              # verification steps (target calls that checked drafts)
     sd_rejected: Optional[int] = None  # accepted drafts that SD alone would have rejected
+    prompt_shared: bool = False        # decoded with prompt forwards shared across configurations
     extra: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -149,7 +150,12 @@ class HFBackend(Backend):
     def __init__(self, target, draft, tokenizer, *, max_new_tokens: int = 512,
                  generate_fn: Optional[Callable] = None, use_chat: Optional[bool] = None,
                  check_sd: bool = True, eos_token_id=None, use_cuda_graphs="auto",
-                 names: Optional[Dict[str, str]] = None, task: str = "humaneval"):
+                 names: Optional[Dict[str, str]] = None, task: str = "humaneval",
+                 share_prompts: bool = False):
+        """share_prompts: a prompt's forwards run once and their cache entries serve every
+        configuration decoded on it next (decoding.PromptCache: the same tokens; best with
+        order="problem"). Its records' times then lack the prompt forwards, so the summary gives
+        no end-to-end tokens/s for them."""
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.task = TASKS[task]
         self.max_new_tokens = max_new_tokens
@@ -162,6 +168,8 @@ class HFBackend(Backend):
         self.use_cuda_graphs = use_cuda_graphs
         self.names = names or {}
         self.device = next(target.parameters()).device
+        from ..decoding import PromptCache
+        self.prompt_cache = PromptCache() if share_prompts else None
 
     def setup(self) -> Dict[str, Any]:
         setup = {"target": self.names.get("target", type(self.target).__name__),
@@ -205,6 +213,8 @@ class HFBackend(Backend):
         kwargs = config.generate_kwargs()
         kwargs.update(max_new_tokens=max_new_tokens or self.max_new_tokens,
                       eos_token_id=self.eos_token_id, use_cuda_graphs=self.use_cuda_graphs, **extra)
+        if self.prompt_cache is not None:
+            kwargs["prompt_cache"] = self.prompt_cache
         check_sd = self.check_sd if check_sd is None else check_sd
         if check_sd and config.temperature > 0 and config.rule in LENIENT_RULES:
             kwargs["output_divergences"] = True  # generate counts sampled SD rejections (timed apart)
@@ -231,6 +241,7 @@ class HFBackend(Backend):
         gen = stats_to_generation(out.stats, text, len(new_ids), seconds, config.rule)
         if config.rule in ("ar", "sd"):
             gen.sd_rejected = 0  # by definition
+        gen.prompt_shared = self.prompt_cache is not None
         return gen
 
     def complete_batch(self, config: Config, prompts: Sequence[str]) -> List[Generation]:
@@ -262,6 +273,7 @@ class HFBackend(Backend):
                 draft_calls=0 if config.rule == "ar" else row.drafted_tokens + 1,
                 accepted_drafts=float(row.accepted_drafts) if steps else 0.0, verify_steps=steps,
                 sd_rejected=0 if config.rule in ("ar", "sd") else row.sd_rejected_accepted,
+                prompt_shared=self.prompt_cache is not None,
                 extra={"stats": {"drafted_tokens": row.drafted_tokens}, "batch": len(prompts)}))
         return gens
 
@@ -430,6 +442,7 @@ def _record(config: Config, problem: Dict[str, str], gen: Generation, backend: B
         "accepted_drafts": gen.accepted_drafts, "verify_steps": gen.verify_steps,
         "sd_rejected": gen.sd_rejected, "stats": gen.extra.get("stats"),
         "contention": contention, "batch": gen.extra.get("batch", 1),
+        "prompt_shared": gen.prompt_shared,
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     return record

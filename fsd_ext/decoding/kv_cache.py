@@ -116,6 +116,24 @@ class StaticKVCache:
                 buffers[layer], views[layer] = new, new[:self.batch]  # (the old buffer goes now)
         self.capacity = capacity
 
+    def prefix(self, slots: int) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        """Copies of every layer's keys and values over the first `slots` slots of each row ->
+        (keys, values), each per layer [B, H_kv, slots, D]."""
+        return ([k[:, :, :slots].clone() for k in self.keys],
+                [v[:, :, :slots].clone() for v in self.values])
+
+    def load_prefix(self, keys: List[torch.Tensor], values: List[torch.Tensor]) -> None:
+        """Write what prefix() returned into the first slots of each row (allocating a layer's
+        buffers at the first write, as update does; existing buffers keep their addresses)."""
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            if layer == len(self._keys):
+                shape = (self.max_batch, k.shape[1], self.capacity, k.shape[3])
+                self._keys.append(torch.zeros(shape, dtype=k.dtype, device=k.device))
+                self._values.append(torch.zeros(shape, dtype=v.dtype, device=v.device))
+            self._keys[layer][:self.batch, :, :k.shape[2]].copy_(k)
+            self._values[layer][:self.batch, :, :v.shape[2]].copy_(v)
+        self._use_rows(self.batch)
+
     def reset(self, pad: torch.Tensor) -> None:
         """Start over with len(pad) <= max_batch rows of `pad` leading padding slots and nothing
         committed. The old entries, past every length, are masked, and zeroed too: a mask cannot

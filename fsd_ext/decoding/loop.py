@@ -50,6 +50,7 @@ from ..types import PURPOSE_ACCEPT
 from .checks import OPS, as_ids, check_in_vocab, check_inputs, check_options, vocab_size
 from .draft_length import POLICIES
 from .model import CachedModel, wait_for_gpu
+from .prompt_cache import PromptCache
 from .stats import GenerateOutput, GenerateStats, RowCounts
 
 _accept, _sample = OPS
@@ -355,7 +356,8 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
              max_new_tokens: int = 256, eos_token_id: Union[int, Sequence[int], None] = None,
              pad_token_id: Optional[int] = None, seed=None, use_cuda_graphs="auto", streamer=None,
              output_divergences: bool = False, draft_length: str = "fixed",
-             draft_confidence: float = 0.4, draft_cost: float = 0.25) -> GenerateOutput:
+             draft_confidence: float = 0.4, draft_cost: float = 0.25,
+             prompt_cache: Optional[PromptCache] = None) -> GenerateOutput:
     """Generate with the target model, drafting with the draft model (docs/design.md section 8).
 
     Args:
@@ -386,6 +388,10 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
             count the accepted drafts SD would have rejected (stats.sd_rejected_accepted: replays
             each step's coins and needs p(d), q(d), a log-softmax per drafted row and a sort under
             top-p; timed apart in stats.diagnostics_seconds, not in stats.seconds).
+        prompt_cache: a decoding.PromptCache: a prompt that the last call with it ran through the
+            same model object is not run again; its saved cache entries are loaded instead (same
+            tokens; the forward still counts in target_forwards/draft_forwards, its time does not:
+            stats.prefill_reused). For benchmarks that decode one prompt under many settings.
 
     Returns:
         GenerateOutput(sequences [B, P + N] int64, stats GenerateStats).
@@ -414,6 +420,9 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
         pad_token_id = pad_token_id if pad_token_id is not None else (
             settings.eos_ids[0] if settings.eos_ids else 0)
     check_in_vocab("pad_token_id", torch.tensor(pad_token_id), target)
+    if prompt_cache is not None and not isinstance(prompt_cache, PromptCache):
+        raise TypeError(f"prompt_cache must be a fsd_ext.decoding.PromptCache or None, "
+                        f"got {type(prompt_cache).__name__}")
     batch, prompt_len = input_ids.shape
     seeds = _row_seeds(seed, batch).to(device)  # [B]
     if isinstance(threshold, torch.Tensor):
@@ -443,10 +452,18 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
                        if settings.speculative else None)
         cached_models += [draft_model] if draft_model is not None else []
         prefill_start = time.perf_counter()
-        for cached, prompt in ((target_model, ids), (draft_model, settings.for_draft(ids))):
-            if cached is not None:  # prefill all but the last token
-                cached(prompt[:, :-1], keep=1, prefill=True)
-                cached.cache.lengths.fill_(prompt_len)
+        for role, cached, prompt in (("target", target_model, ids),
+                                     ("draft", draft_model, settings.for_draft(ids))):
+            if cached is None:
+                continue
+            prompt = prompt[:, :-1]  # prefill all but the last token
+            if prompt_cache is not None and prompt_cache.restore(role, cached, prompt):
+                stats.prefill_reused = True
+            else:
+                cached(prompt, keep=1, prefill=True)
+                if prompt_cache is not None:
+                    prompt_cache.store(role, cached, prompt)
+            cached.cache.lengths.fill_(prompt_len)
         wait_for_gpu(ids)  # the forwards do not wait for the GPU: the prefill's end does
         stats.prefill_seconds = time.perf_counter() - prefill_start
         stats.target_prefill_seconds = target_model.seconds

@@ -116,6 +116,12 @@ class CachedModel:
         self.calls += 1
         return logits
 
+    def load_prefix(self, keys, values) -> None:
+        """Load saved prompt entries (decoding.prompt_cache) in place of the prompt forward, which
+        it counts as one call (so call counts do not depend on whether a prompt was reused)."""
+        self.cache.load_prefix(keys, values)
+        self.calls += 1
+
     @property
     def seconds(self) -> float:
         """Time in this call's forwards (see ForwardClock)."""

@@ -39,6 +39,7 @@ class GenerateStats:
     diagnostics_seconds: float = 0.0  # counting sampled SD rejections (output_divergences=True)
     prefill_seconds: float = 0.0  # the prompt forwards of both models (inside seconds)
     target_prefill_seconds: float = 0.0  # the target's part of prefill_seconds
+    prefill_reused: bool = False  # a prompt forward was loaded from a PromptCache, not run
     capture_seconds: float = 0.0  # CUDA graph warm-ups and captures, both models (inside seconds)
     target_forwards: int = 0  # prefill included
     target_seconds: float = 0.0  # in the target's forwards (on CUDA GPU time; captures not included)
