@@ -313,7 +313,7 @@ def cmd_calibrate(args) -> int:
         num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
         refine_steps=args.refine_steps, seed=args.seed, walk=args.walk, eos_token_id=eos_ids,
         on_point=lambda p: print(f"T={p.threshold:.6g}: {p.share:.2%} of {p.accepted_drafts} "
-                                 f"accepted drafts SD would reject ({p.seconds:.1f} s)",
+                                 f"accepted drafts SD would reject ({p.decode_seconds:.1f} s decoding)",
                                  file=sys.stderr, flush=True),
         **_loop_kwargs(args))
     points = {p.threshold: p for r in results for p in r.points}

@@ -103,7 +103,8 @@ def test_sampling_counts_sd_rejections_with_fixed_seeds(target, draft, prompts):
         direct = direct_share(target, draft, prompts, point.threshold, temperature=1.0, seed=5)
         assert (point.sd_rejected_accepted, point.accepted_drafts) == direct
     assert cal.deviation <= 0.05 < max(p.share for p in cal.points)
-    again = fsd_ext.calibrate(target, draft, prompts, **kwargs)  # reproducible
+    # Reproducible, and the prompt forwards shared across thresholds (the default) change nothing.
+    again = fsd_ext.calibrate(target, draft, prompts, share_prompts=False, **kwargs)
     assert (again.threshold, counts(again.points)) == (cal.threshold, counts(cal.points))
 
 
@@ -242,6 +243,7 @@ def test_several_budgets_share_their_measurements(monkeypatch):
     (dict(refine_steps=-1), "refine_steps"), (dict(refine_steps=1.5), "refine_steps"),
     (dict(temperature=-1.0), "temperature"), (dict(seed="0"), "seed"), (dict(walk="sideways"), "walk"),
     (dict(threshold=0.3), "threshold"), (dict(output_divergences=False), "output_divergences"),
+    (dict(prompt_cache=None), "prompt_cache"),
 ])
 def test_bad_arguments_raise_naming_the_argument(monkeypatch, kwargs, name):
     scripted(monkeypatch, lambda t: pytest.fail("measured despite a bad argument"))

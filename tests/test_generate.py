@@ -507,14 +507,27 @@ def test_prompt_cache_keeps_every_token_and_count(target, draft, monkeypatch, gr
     assert cache.misses == 5  # the new prompt (both models), then the draft as target
     plain = fsd_ext.generate(target, draft, ids, mask, rule="sd", temperature=0.0, max_new_tokens=12)
     fsd_ext.generate(target, draft, ids, mask, rule="sd", prompt_cache=cache, max_new_tokens=1)
-    for entry in cache._entries.values():  # the negative control
-        for saved in entry[3] + entry[4]:
+    for (entry,) in cache._entries.values():  # the negative control
+        for saved in entry.keys + entry.values:
             saved.normal_(0.0, 10.0)
     spoiled = fsd_ext.generate(target, draft, ids, mask, rule="sd", temperature=0.0,
                                prompt_cache=cache, max_new_tokens=12)
     assert spoiled.sequences.tolist() != plain.sequences.tolist()
     with pytest.raises(TypeError, match="prompt_cache"):
         fsd_ext.generate(target, draft, ids, mask, prompt_cache={})
+
+
+def test_prompt_cache_keeps_the_last_max_prompts(target, draft):
+    """Entries per role up to max_prompts, the least recently used going first."""
+    prompts = [random_prompts([4 + i], seed=50 + i)[0] for i in range(3)]
+    cache = fsd_ext.decoding.PromptCache(max_prompts=2)
+    run = functools.partial(fsd_ext.generate, target, draft, rule="sd", max_new_tokens=2, prompt_cache=cache)
+    for i in (0, 1, 0, 2, 0, 1):  # 2 evicts 1 (0 was used after it); then 1 comes back
+        run(prompts[i])
+    assert (cache.misses, cache.hits) == (2 * 4, 2 * 2)
+    assert [len(e) for e in cache._entries.values()] == [2, 2]
+    with pytest.raises(ValueError, match="max_prompts"):
+        fsd_ext.decoding.PromptCache(max_prompts=0)
 
 
 def test_forward_clock_on_cuda_reads_events_once(monkeypatch):

@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 
 from .loop import generate
+from .prompt_cache import PromptCache
 from ..types import (DIVERGENCE_TABLE, LENIENT_RULES, VerifyOptions, check_threshold, rule_spec,
                      threshold_grids)
 
@@ -35,7 +36,7 @@ CALIBRATION_GRID: Dict[str, tuple] = {d.name: d.calibration_grid for d in DIVERG
 CALIBRATE_RULES = LENIENT_RULES
 WALKS = ("up", "down")  # from the exact end (T small) or from the lenient end (T large)
 # generate() arguments that calibrate sets itself.
-_OWN_ARGS = ("threshold", "output_divergences", "input_ids", "attention_mask")
+_OWN_ARGS = ("threshold", "output_divergences", "input_ids", "attention_mask", "prompt_cache")
 
 
 @dataclass
@@ -49,7 +50,7 @@ class CalibrationPoint:
     new_tokens: int
     target_calls: int  # target forwards, prefill included
     tokens_per_target_call: float  # new tokens per verification (row-step), as GenerateStats
-    seconds: float  # generate's own time, without the SD-rejection replay
+    decode_seconds: float  # generate's time less the prompt forwards (shared) and the SD-rejection replay
     refined: bool = False  # a bisection point, not a grid candidate
 
 
@@ -83,13 +84,13 @@ class Calibration:
 def format_points(points: Sequence[CalibrationPoint], max_deviation: Optional[float] = None) -> str:
     """A table of measured points, ascending in T; with max_deviation, whether each is within it."""
     lines = [f"{'T':>9} {'accepted':>9} {'SD-rejected':>12} {'share':>8} {'tokens':>7} "
-             f"{'target calls':>13} {'tokens/call':>12} {'seconds':>8}"
+             f"{'target calls':>13} {'tokens/call':>12} {'decode s':>8}"
              + ("  budget" if max_deviation is not None else "")]
     for p in sorted(points, key=lambda p: p.threshold):
         mark = "" if max_deviation is None else ("  within" if p.share <= max_deviation else "  over")
         lines.append(f"{p.threshold:>9.6g} {p.accepted_drafts:>9} {p.sd_rejected_accepted:>12} "
                      f"{p.share:>8.2%} {p.new_tokens:>7} {p.target_calls:>13} "
-                     f"{p.tokens_per_target_call:>12.2f} {p.seconds:>8.2f}"
+                     f"{p.tokens_per_target_call:>12.2f} {p.decode_seconds:>8.2f}"
                      + mark + (" (refined)" if p.refined else ""))
     return "\n".join(lines)
 
@@ -110,13 +111,13 @@ def _measure(target, draft, prompts: List[torch.Tensor], threshold: float, seed:
         new_tokens += stats.new_tokens
         target_calls += stats.target_forwards
         verifications += stats.verifications
-        seconds += stats.seconds
+        seconds += stats.seconds - stats.prefill_seconds - stats.capture_seconds
     return CalibrationPoint(threshold=threshold, accepted_drafts=accepted,
                             sd_rejected_accepted=rejected,
                             share=rejected / accepted if accepted else 0.0,
                             new_tokens=new_tokens, target_calls=target_calls,
                             tokens_per_target_call=new_tokens / verifications if verifications else 0.0,
-                            seconds=seconds)
+                            decode_seconds=seconds)
 
 
 def _search(measure: Callable[[float, bool], CalibrationPoint], grid: Sequence[float], budget: float,
@@ -208,7 +209,7 @@ def calibrate(target, draft, prompts, *, divergence: str = "js",
               max_deviation: Union[float, Sequence[float]] = 0.02, rule: str = "fsd",
               thresholds: Optional[Sequence[float]] = None, temperature: float = 0.0,
               num_draft_tokens: int = 5, max_new_tokens: int = 128, refine_steps: int = 2,
-              seed: int = 0, walk: Optional[str] = None,
+              seed: int = 0, walk: Optional[str] = None, share_prompts: bool = True,
               on_point: Optional[Callable[[CalibrationPoint], None]] = None,
               **generate_kwargs) -> Union[Calibration, List[Calibration]]:
     """The largest threshold T whose share of accepted drafts that exact SD would have rejected,
@@ -239,6 +240,9 @@ def calibrate(target, draft, prompts, *, divergence: str = "js",
         refine_steps: bisections after the grid walk (int >= 0).
         walk: "up" (from the exact end) or "down" (from the lenient end); None: "down" for the
             strict rules, whose share need not grow with T, "up" for the others.
+        share_prompts: run each prompt's forwards once, at the first threshold, and load their
+            keys and values at the others (decoding.PromptCache: the same tokens; holds a copy of
+            both models' prompt entries per prompt during the call).
         on_point: called with each CalibrationPoint as it is measured (progress).
         **generate_kwargs: passed on to fsd_ext.generate (eos_token_id, top_p, div_temperature, ...).
 
@@ -264,7 +268,8 @@ def calibrate(target, draft, prompts, *, divergence: str = "js",
 
     generate_kwargs.update(rule=rule, divergence=divergence, temperature=float(temperature),
                            num_draft_tokens=num_draft_tokens, max_new_tokens=max_new_tokens,
-                           output_divergences=temperature > 0)  # sampling: count SD's rejections
+                           output_divergences=temperature > 0,  # sampling: count SD's rejections
+                           prompt_cache=PromptCache(len(prompts)) if share_prompts else None)
     measured: Dict[float, CalibrationPoint] = {}
 
     def measure(threshold: float, refined: bool) -> CalibrationPoint:
