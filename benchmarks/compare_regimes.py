@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 from collections import defaultdict
-from typing import Callable, Dict, List, Sequence, Tuple
+from typing import Dict, Sequence, Tuple
 
 from fsd_ext.bench.humaneval import parse_ids
+from fsd_ext.bench.summary import bootstrap
 
 Counts = Dict[str, Tuple[int, int, float]]  # task -> (new tokens, target calls, pass rate)
 
@@ -51,13 +51,6 @@ def gain(rule: Counts, sd: Counts, tasks: Sequence[str]) -> float:
 
 def pass_delta(rule: Counts, sd: Counts, tasks: Sequence[str]) -> float:
     return sum(rule[t][2] - sd[t][2] for t in tasks) / len(tasks)
-
-
-def bootstrap(stat: Callable[[Sequence[str]], float], tasks: List[str], resamples: int = 4000,
-              seed: int = 0) -> Tuple[float, float, float]:
-    rng = random.Random(seed)
-    draws = sorted(stat([tasks[rng.randrange(len(tasks))] for _ in tasks]) for _ in range(resamples))
-    return stat(tasks), draws[int(0.025 * resamples)], draws[int(0.975 * resamples) - 1]
 
 
 def fmt(value: Tuple[float, float, float], scale: float = 1.0, sign: bool = False) -> str:

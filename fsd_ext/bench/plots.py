@@ -5,6 +5,7 @@ per lenient rule)."""
 from __future__ import annotations
 
 import os
+from collections import defaultdict
 from typing import Any, Dict, List, Sequence
 
 from ..types import DIVERGENCE_RULES, DIVERGENCES, LENIENT_RULES, rule_spec
@@ -111,16 +112,18 @@ def plot_all(rows: Sequence[Dict[str, Any]], out_dir: str, title: str = "") -> L
     for r in rows:
         if r["rule"] in ("ar", "sd"):
             _scatter_rows(ax, [r], "tokens_per_target_call", annotate=False)
-    lines = sorted({(r["rule"], r["divergence"]) for r in rows if r["rule"] in LENIENT_RULES})
-    for rule, divergence in lines:
+    lines = defaultdict(list)  # (rule, divergence) -> its rows
+    for r in rows:
+        if r["rule"] in LENIENT_RULES:
+            lines[r["rule"], r["divergence"]].append(r)
+    for (rule, divergence), line in sorted(lines.items()):
         name, color, marker = _style(rule, divergence)
-        pts = sorted((r["tokens_per_target_call"], 100 * r["pass_at_1"]) for r in rows
-                     if r["rule"] == rule and r["divergence"] == divergence)
-        ax.plot(*zip(*pts), marker=marker, color=color, label=name, linestyle="--" if marker == "^" else "-")
-        for r in rows:  # each point's knob
-            if r["rule"] == rule and r["divergence"] == divergence:
-                ax.annotate(f"{r['threshold']:g}", (r["tokens_per_target_call"], 100 * r["pass_at_1"]),
-                            textcoords="offset points", xytext=(4, 4), fontsize=7, color="dimgray")
+        pts = sorted((r["tokens_per_target_call"], 100 * r["pass_at_1"], r["threshold"]) for r in line)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=name,
+                linestyle="--" if marker == "^" else "-")
+        for x, y, knob in pts:
+            ax.annotate(f"{knob:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                        color="dimgray")
     # Every row, not only the AR / SD ones _scatter_rows saw (a lenient row fell off the axis).
     _percent_ylim(ax, [r for r in rows if r["rule"] in ("ar", "sd") or r["rule"] in LENIENT_RULES])
     handles, labels = ax.get_legend_handles_labels()

@@ -8,7 +8,7 @@ import json
 import math
 import os
 from collections import defaultdict
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from ..decoding.stats import seconds_per_decode_forward
 from ..types import LENIENT_RULES
@@ -83,15 +83,14 @@ def summarize(records: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     pass_rates: Dict[str, Dict[str, float]] = {}  # group -> task -> passing samples / samples
     for group, recs in groups.items():
         config = Config(**recs[0]["config"])
+        # Per problem (pass rates over seeds) and per seed (the spread: each seed's pass@1).
         by_task: Dict[str, List[bool]] = defaultdict(list)
-        for r in recs:
-            by_task[r["task_id"]].append(bool(r["passed"]))
-        pass_rates[group] = {t: sum(v) / len(v) for t, v in by_task.items()}
-        pass_at_1 = sum(pass_rates[group].values()) / len(by_task)
-        # The spread over seeds: each seed's pass@1 over the problems it decoded.
         by_seed: Dict[int, List[bool]] = defaultdict(list)
         for r in recs:
+            by_task[r["task_id"]].append(bool(r["passed"]))
             by_seed[r["config"]["seed"]].append(bool(r["passed"]))
+        pass_rates[group] = {t: sum(v) / len(v) for t, v in by_task.items()}
+        pass_at_1 = sum(pass_rates[group].values()) / len(by_task)
         seed_pass = [sum(v) / len(v) for v in by_seed.values()]
         new_tokens = sum(r["new_tokens"] for r in recs)
         generate_s = sum(r["seconds"] for r in recs)
@@ -166,20 +165,27 @@ def _add_projections(rows: List[Dict[str, Any]]):
             row[f"projected_vs_sd_{name}"] = mine / ref if mine is not None and ref else None
 
 
+def bootstrap(stat: Callable[[Sequence[Any]], float], items: Sequence[Any], resamples: int = 4000,
+              seed: int = 0, level: float = 0.95) -> tuple:
+    """(stat(items), low, high): a percentile bootstrap of `stat` over `items` (problems) drawn with
+    replacement, so that whatever a problem holds (its seeds, its value in two runs) stays paired."""
+    import random
+    rng = random.Random(seed)
+    n = len(items)
+    draws = sorted(stat([items[rng.randrange(n)] for _ in range(n)]) for _ in range(resamples))
+    tail = (1.0 - level) / 2
+    return stat(items), draws[int(tail * resamples)], draws[min(resamples - 1, int((1 - tail) * resamples))]
+
+
 def paired_bootstrap(a: Dict[str, float], b: Dict[str, float], resamples: int = 4000,
                      seed: int = 0, level: float = 0.95) -> tuple:
-    """(mean of b - a, low, high): a percentile bootstrap over the problems both hold (each value a
-    problem's pass rate over its seeds), resampling problems, so that seeds stay paired within them."""
-    import random
+    """(mean of b - a, low, high) over the problems both hold (each value a problem's pass rate over
+    its seeds; see bootstrap)."""
     shared = sorted(set(a) & set(b))
     if not shared:
         raise ValueError("the two configurations share no problem")
     diffs = [b[t] - a[t] for t in shared]
-    n = len(diffs)
-    rng = random.Random(seed)
-    means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
-    tail = (1.0 - level) / 2
-    return sum(diffs) / n, means[int(tail * resamples)], means[min(resamples - 1, int((1 - tail) * resamples))]
+    return bootstrap(lambda sample: sum(sample) / len(sample), diffs, resamples, seed, level)
 
 
 def _add_paired_intervals(rows: List[Dict[str, Any]], pass_rates: Dict[str, Dict[str, float]]):
