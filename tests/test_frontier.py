@@ -968,6 +968,14 @@ def test_batched_sweep_records_and_summary(tmp_path):
         alone = [r for r in store.records.values() if r["group"] == row["group"] and r["batch"] == 1]
         assert row["tokens_per_s"] == pytest.approx(alone[0]["new_tokens"] / alone[0]["seconds"])
     assert [r["pass_at_1"] for r in rows] == [1.0, 1.0]
-    with pytest.raises(ValueError, match="batch_size"):
-        runner.run_sweep(configs, PROBLEMS[:5], Batched(), store, progress=False, batch_size=2, order="problem")
+    # In problem order: every configuration on the first two problems, then on the next two, ...
+    batched = Batched()
+    store = ResultStore(str(tmp_path / "by_problem.jsonl"))
+    assert runner.run_sweep(configs, PROBLEMS[:5], batched, store, progress=False, batch_size=2,
+                            order="problem") == 10
+    assert batched.calls == [(c.key, PROBLEMS[i]["task_id"])
+                             for pair in ((0, 1), (2, 3), (4,)) for c in configs for i in pair]
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="batch_size"):
+            runner.run_sweep(configs, PROBLEMS[:5], Batched(), store, progress=False, batch_size=bad)
 

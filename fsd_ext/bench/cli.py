@@ -92,10 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser):
                      help="decode a problem again (up to 3 times) when other processes used more "
                           "than this many cores meanwhile (a shared machine; negative: never)")
     run.add_argument("--batch-size", type=int, default=1,
-                     help="decode a configuration's problems this many at a time (with --order config): "
-                          "an accuracy run, whose summary gives no tokens/s (time batch 1 on a subset)")
+                     help="decode this many problems at a time: an accuracy run, whose summary gives "
+                          "tokens/s only from batch-1 records (time batch 1 on a subset)")
     run.add_argument("--share-prompts", action="store_true",
-                     help="run each prompt's forwards once for all configurations (same tokens; "
+                     help="run each prompt's forwards once for all its configurations (same tokens; "
                           "with --order problem): an accuracy run, whose summary gives no tokens/s")
     run.add_argument("--summarize-only", action="store_true", help="only rebuild summary and plots")
     run.add_argument("--summary-dir", default=None,

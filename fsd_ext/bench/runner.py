@@ -301,18 +301,19 @@ def run_sweep(configs: Sequence[Config], problems: Sequence[Dict[str, str]], bac
     records were written.
 
     order="config": one configuration after the other, a progress bar each. order="problem": all
-    configurations on problem 1, then on problem 2, ...: a change in machine load during the run
-    then hits every configuration alike, which keeps their tokens/s comparable on a shared machine.
+    configurations on problem 1 (on the first batch_size problems), then on the next, ...: a change
+    in machine load during the run then hits every configuration alike, which keeps their tokens/s
+    comparable on a shared machine, and a backend sharing prompt forwards reuses them.
     max_contention: decode again what ran while other processes used more than this many cores
     (contended_complete; None: never).
-    batch_size > 1 (order="config"): the problems of a configuration decoded batch_size at a time
-    (backend.complete_batch), an accuracy run; their records carry "batch", and the summary reports
-    no tokens/s for them (time a batch-1 run on a subset for that).
+    batch_size > 1: problems decoded batch_size at a time (backend.complete_batch), an accuracy run;
+    their records carry "batch", and the summary gives tokens/s only from batch-1 records (time a
+    batch-1 run on a subset for that).
     """
     if order not in ("config", "problem"):
         raise ValueError(f"order must be 'config' or 'problem', got {order!r}")
-    if batch_size < 1 or (batch_size > 1 and order != "config"):
-        raise ValueError(f"batch_size must be >= 1 (and 1 with order='problem'), got {batch_size}")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
     sid = setup_id(backend.setup())
     todo = {config.key: [p for p in problems if not store.has(sid, config.key, p["task_id"])]
             for config in configs}
@@ -343,15 +344,16 @@ def run_sweep(configs: Sequence[Config], problems: Sequence[Dict[str, str]], bac
     pending = sum(len(v) for v in todo.values())
     total = len(configs) * len(problems)
     bar = _progress(total, total - pending, "all configurations", progress)
-    for problem in problems:
+    for first in range(0, len(problems), batch_size):
         for config in configs:
-            if problem in todo[config.key]:
-                (record,) = _run_batch(config, [problem], backend, sid, limits, store, on_record,
-                                       max_contention)
-                written += 1
-                bar.update(1)
-                bar.set_postfix_str(f"{problem['task_id']} {config.label}: "
-                                    f"{'pass' if record['passed'] else 'fail'}")
+            batch = [p for p in problems[first:first + batch_size] if p in todo[config.key]]
+            if batch:
+                records = _run_batch(config, batch, backend, sid, limits, store, on_record,
+                                     max_contention)
+                written += len(records)
+                bar.update(len(records))
+                bar.set_postfix_str(f"{batch[0]['task_id']} {config.label}: "
+                                    f"{sum(r['passed'] for r in records)}/{len(records)} pass")
     bar.close()
     return written
 
