@@ -388,10 +388,10 @@ def generate(target, draft, input_ids: torch.Tensor, attention_mask: Optional[to
             count the accepted drafts SD would have rejected (stats.sd_rejected_accepted: replays
             each step's coins and needs p(d), q(d), a log-softmax per drafted row and a sort under
             top-p; timed apart in stats.diagnostics_seconds, not in stats.seconds).
-        prompt_cache: a decoding.PromptCache: a prompt that the last call with it ran through the
-            same model object is not run again; its saved cache entries are loaded instead (same
-            tokens; the forward still counts in target_forwards/draft_forwards, its time does not:
-            stats.prefill_reused). For benchmarks that decode one prompt under many settings.
+        prompt_cache: a decoding.PromptCache: a prompt it holds for the same model object (the
+            last max_prompts run with it) is not run again; its saved cache entries are loaded
+            instead (same tokens; the forward still counts in target_forwards/draft_forwards, its
+            time does not: stats.prefill_reused). For decoding one prompt under many settings.
 
     Returns:
         GenerateOutput(sequences [B, P + N] int64, stats GenerateStats).
