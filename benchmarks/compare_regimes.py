@@ -78,9 +78,10 @@ def main(argv=None) -> int:
             if group != "-" and group not in runs[name]:
                 raise SystemExit(f"{p[0]}: no group {group!r} in the {name} run; it has "
                                  f"{', '.join(sorted(runs[name]))}")
-    named = [runs[name][group] for p in args.pair for name, group in (("greedy", p[1]), ("sampled", p[2]))
-             if group != "-"]
-    tasks = sorted(set.intersection(wanted, *(set(g) for g in [*sds.values(), *named])),
+    named = [(name, runs[name][group]) for p in args.pair
+             for name, group in (("greedy", p[1]), ("sampled", p[2])) if group != "-"]
+    used = [sds[name] for name in sds if any(n == name for n, _ in named)]  # a regime no pair uses
+    tasks = sorted(set.intersection(wanted, *(set(g) for g in [*used, *(g for _, g in named)])),
                    key=lambda t: int(t.split("/")[1]))
     if not tasks:
         raise SystemExit("no problem was decoded by every configuration named")

@@ -244,7 +244,8 @@ def test_llamacpp_comparison_table():
 
 def test_compare_regimes_pairs_problems_across_runs(tmp_path, capsys):
     """benchmarks/compare_regimes.py: pooled tokens per target call over SD's per regime, seeds
-    pooled per problem, only problems every named configuration decoded; a missing group is named."""
+    pooled per problem, only problems every named configuration (and its regime's SD) decoded; a
+    missing group is named."""
     import json
 
     compare = load_benchmark("compare_regimes")
@@ -257,7 +258,8 @@ def test_compare_regimes_pairs_problems_across_runs(tmp_path, capsys):
                                          "target_calls": calls, "passed": passed}) + "\n")
 
     write(tmp_path / "g", [("sd", 0, 40, 10, True), ("fsd", 0, 40, 8, True), ("sd", 1, 20, 5, True),
-                           ("fsd", 1, 20, 5, False), ("sd", 2, 9, 1, True)])  # 2: fsd never ran it
+                           ("fsd", 1, 20, 5, False), ("sd", 2, 9, 1, True)]  # 2: fsd never ran it
+          + [("typical", t, 10, 2, True) for t in (0, 1, 2)])
     write(tmp_path / "s", [("sd", t, 30, 10, True) for t in (0, 0, 1, 1)]
           + [("fsd", t, 30, c, True) for t, c in ((0, 10), (0, 5), (1, 10), (1, 10))])
     loaded = compare.load(str(tmp_path / "s"), {"HumanEval/0", "HumanEval/1"})
@@ -272,5 +274,8 @@ def test_compare_regimes_pairs_problems_across_runs(tmp_path, capsys):
     assert compare.main(argv + ["--pair", "fsd 2%", "fsd", "fsd"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("2 problems") and "| fsd 2% | 1.154 [" in out and "| -50.0 [" in out
+    # Greedy pairs only: the problems of the greedy run, whatever the sampled one decoded.
+    assert compare.main(argv + ["--pair", "typical 2%", "typical", "-"]) == 0
+    assert capsys.readouterr().out.startswith("3 problems")
     with pytest.raises(SystemExit, match="no group 'typical' in the sampled run"):
         compare.main(argv + ["--pair", "typical 2%", "fsd", "typical"])
