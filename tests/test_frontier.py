@@ -488,6 +488,9 @@ def test_cli_hook_and_run_from_args(tmp_path, capsys):
         with pytest.raises(ValueError):
             humaneval.parse_ids(bad)
     assert len(cli.problems_from_args(cli.build_parser().parse_args(["--all"]))) == 164
+    with pytest.raises(ValueError, match="--share-prompts needs --order problem"):
+        cli.run_from_args(cli.build_parser().parse_args(["--share-prompts", "--out", str(tmp_path / "x")]),
+                          backend=FakeBackend())
 
 
 # ----------------------------------------------------------------------------------------------

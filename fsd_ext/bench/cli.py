@@ -196,6 +196,9 @@ def run_from_args(args, backend: Optional[Backend] = None) -> List[Dict[str, Any
 
 def _run(args, backend: Optional[Backend]) -> List[Dict[str, Any]]:
     import torch
+    if getattr(args, "share_prompts", False) and args.order != "problem":
+        raise ValueError("--share-prompts needs --order problem (a problem's configurations must "
+                         "decode one after the other to share its prompt forwards)")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
