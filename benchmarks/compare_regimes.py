@@ -80,7 +80,7 @@ def main(argv=None) -> int:
                                  f"{', '.join(sorted(runs[name]))}")
     named = [(name, runs[name][group]) for p in args.pair
              for name, group in (("greedy", p[1]), ("sampled", p[2])) if group != "-"]
-    used = [sds[name] for name in sds if any(n == name for n, _ in named)]  # a regime no pair uses
+    used = [sds[name] for name in {name for name, _ in named}]  # (not the SD of a regime no pair uses)
     tasks = sorted(set.intersection(wanted, *(set(g) for g in [*used, *(g for _, g in named)])),
                    key=lambda t: int(t.split("/")[1]))
     if not tasks:

@@ -196,7 +196,7 @@ def run_from_args(args, backend: Optional[Backend] = None) -> List[Dict[str, Any
 
 def _run(args, backend: Optional[Backend]) -> List[Dict[str, Any]]:
     import torch
-    if getattr(args, "share_prompts", False) and args.order != "problem":
+    if args.share_prompts and args.order != "problem":
         raise ValueError("--share-prompts needs --order problem (a problem's configurations must "
                          "decode one after the other to share its prompt forwards)")
     if args.threads:

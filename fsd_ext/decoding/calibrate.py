@@ -100,7 +100,7 @@ def _measure(target, draft, prompts: List[torch.Tensor], threshold: float, seed:
     """Decode every prompt at `threshold` (prompt i with seed + i, the same at every threshold) and
     pool the counts."""
     accepted = rejected = new_tokens = target_calls = verifications = 0
-    seconds = 0.0
+    decode_seconds = 0.0
     for index, input_ids in enumerate(prompts):
         stats = generate(target, draft, input_ids, threshold=threshold, seed=seed + index,
                          **generate_kwargs).stats
@@ -111,13 +111,13 @@ def _measure(target, draft, prompts: List[torch.Tensor], threshold: float, seed:
         new_tokens += stats.new_tokens
         target_calls += stats.target_forwards
         verifications += stats.verifications
-        seconds += stats.seconds - stats.prefill_seconds - stats.capture_seconds
+        decode_seconds += stats.seconds - stats.prefill_seconds - stats.capture_seconds
     return CalibrationPoint(threshold=threshold, accepted_drafts=accepted,
                             sd_rejected_accepted=rejected,
                             share=rejected / accepted if accepted else 0.0,
                             new_tokens=new_tokens, target_calls=target_calls,
                             tokens_per_target_call=new_tokens / verifications if verifications else 0.0,
-                            decode_seconds=seconds)
+                            decode_seconds=decode_seconds)
 
 
 def _search(measure: Callable[[float, bool], CalibrationPoint], grid: Sequence[float], budget: float,
