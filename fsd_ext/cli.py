@@ -255,13 +255,17 @@ def _fractions(text: str) -> List[float]:
     return values
 
 
-def _humaneval_ids(text: str) -> List[int]:
-    from .bench.humaneval import parse_ids  # (loads the harness only when asked for it)
+def _task_ids(task: str):
+    """The argparse type of a task's problem ids (--humaneval 0-9, --gsm8k 0-99)."""
+    def parse(text: str) -> List[int]:
+        from .bench.humaneval import parse_ids  # (loads the harness only when asked for it)
+        from .bench.tasks import TASKS
 
-    try:
-        return parse_ids(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+        try:
+            return parse_ids(text, TASKS[task].num_problems, TASKS[task].id_prefix)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return parse
 
 
 def read_prompts_file(path: str) -> List[str]:
@@ -282,17 +286,20 @@ def read_prompts_file(path: str) -> List[str]:
 
 
 def _calibration_prompts(args, texts: List[str], target, draft, tokenizer):
-    """-> (1-D token-id tensors, EOS ids for generate or None, a description). HumanEval problems are
-    encoded by the frontier benchmark's own backend (its prompt format and EOS ids); `texts` as
-    `fsd-ext generate` encodes a prompt."""
-    if args.humaneval is not None:
-        from .bench import humaneval
+    """-> (1-D token-id tensors, EOS ids for generate or None, a description). A task's problems
+    (--humaneval, --gsm8k) are encoded by the frontier benchmark's own backend (its prompt format and
+    EOS ids); `texts` as `fsd-ext generate` encodes a prompt."""
+    task = next((name for name in ("humaneval", "gsm8k") if getattr(args, name) is not None), None)
+    if task is not None:
+        from .bench.humaneval import select_problems
         from .bench.runner import HFBackend
+        from .bench.tasks import TASKS
 
-        problems = humaneval.select_problems(humaneval.load_problems(), ids=args.humaneval)
-        backend = HFBackend(target, draft, tokenizer, use_chat=None if args.chat else False)
+        ids = getattr(args, task)
+        problems = select_problems(TASKS[task].load_problems(), ids=ids, prefix=TASKS[task].id_prefix)
+        backend = HFBackend(target, draft, tokenizer, use_chat=None if args.chat else False, task=task)
         return ([backend.prompt_ids(p)[0] for p in problems], backend.eos_token_id,
-                f"HumanEval {','.join(str(i) for i in args.humaneval)}")
+                f"{TASKS[task].id_prefix.rstrip('/')} {','.join(str(i) for i in ids)}")
     source = args.prompts_file or "the demo prompts"
     return [_encode(tokenizer, text, args.chat, args.device)[0] for text in texts], None, source
 
@@ -406,9 +413,11 @@ def build_parser() -> argparse.ArgumentParser:
     prompts = cal.add_mutually_exclusive_group()
     prompts.add_argument("--prompts-file", default=None,
                          help='JSONL, one {"prompt": "..."} per line (default: the demo prompts)')
-    prompts.add_argument("--humaneval", type=_humaneval_ids, default=None, metavar="IDS",
+    prompts.add_argument("--humaneval", type=_task_ids("humaneval"), default=None, metavar="IDS",
                          help="HumanEval problems, e.g. 0-9 or 0,3,7, prompted as `fsd-ext bench "
                               "frontier` prompts them")
+    prompts.add_argument("--gsm8k", type=_task_ids("gsm8k"), default=None, metavar="IDS",
+                         help="GSM8K problems, likewise (`fsd-ext bench frontier --task gsm8k`)")
     cal.add_argument("--json", default=None, metavar="PATH", help="write the calibrations here")
     _add_sampling_args(cal, temperature=0.0, threshold=False)
     cal.set_defaults(func=cmd_calibrate)

@@ -268,7 +268,8 @@ def test_cli_arguments_and_prompt_files(tmp_path):
         0.0, 128, "fsd", 2, True)
     assert "threshold" not in vars(args)
     for bad in (["--max-deviation", "2"], ["--humaneval", "a-b"], ["--humaneval", "160-170"],
-                ["--rule", "sd"], ["--humaneval", "1", "--prompts-file", "p.jsonl"]):
+                ["--rule", "sd"], ["--humaneval", "1", "--prompts-file", "p.jsonl"],
+                ["--gsm8k", "1319"], ["--gsm8k", "1", "--humaneval", "1"]):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(["calibrate", *bad])
 
@@ -297,6 +298,30 @@ def test_cli_humaneval_prompts_are_the_frontier_benchmarks(target, draft):
     backend = runner.HFBackend(target, draft, ByteTokenizer())
     assert [p.tolist() for p in prompts] == [ByteTokenizer().encode(p["prompt"]) for p in problems]
     assert eos == backend.eos_token_id and "HumanEval" in source
+
+
+def test_cli_gsm8k_prompts_are_the_frontier_benchmarks(target, draft, monkeypatch):
+    import dataclasses
+
+    from fsd_ext import cli
+    from fsd_ext.bench import runner, tasks
+
+    problems = [{"task_id": f"GSM8K/{i}", "question": f"What is {i} + {i}?", "answer": str(2 * i),
+                 "solution": f"#### {2 * i}"} for i in range(4)]
+    monkeypatch.setitem(tasks.TASKS, "gsm8k", dataclasses.replace(tasks.TASKS["gsm8k"],
+                                                                  load_problems=lambda: problems))
+
+    class ByteTokenizer:
+        chat_template, eos_token_id = None, 2
+
+        def encode(self, text, add_special_tokens=True):
+            return [b % VOCAB for b in text.encode("utf-8")]
+
+    args = cli.build_parser().parse_args(["calibrate", "--gsm8k", "3,GSM8K/1"])
+    prompts, eos, source = cli._calibration_prompts(args, [], target, draft, ByteTokenizer())
+    backend = runner.HFBackend(target, draft, ByteTokenizer(), task="gsm8k")
+    assert [p.tolist() for p in prompts] == [backend.prompt_ids(problems[i])[0].tolist() for i in (3, 1)]
+    assert "What is 3 + 3?" in backend.prompt(problems[3]) and source == "GSM8K 3,1"
 
 
 def test_cli_runs_on_the_tiny_models(target, draft, prompts, monkeypatch, tmp_path, capsys):
