@@ -4,7 +4,7 @@ For each rule at a budget: tokens per target call over SD's in each regime, the 
 the greedy one, and pass@1 minus SD's, each with a 95% percentile bootstrap over the problems both
 runs decoded (a problem's seeds stay together; the same resampled problems for every quantity of a
 row, so the regimes are paired too). Per budget it also compares the rule with the most tokens per
-target call with the runner-up. Example (the lenient-rules results folders):
+target call with the runner-up, and with --versus RULE every other rule with RULE. Example (the lenient-rules results folders):
 
     python benchmarks/compare_regimes.py --ids 0-44 \\
         --greedy benchmarks/results/lenient-rules-humaneval-greedy-zen4 \\
@@ -69,6 +69,8 @@ def main(argv=None) -> int:
     parser.add_argument("--pair", nargs=3, action="append", required=True,
                         metavar=("'RULE BUDGET'", "GREEDY_GROUP", "SAMPLED_GROUP"),
                         help="a rule at a budget and its group in each run ('-': not run there)")
+    parser.add_argument("--versus", default=None, metavar="RULE",
+                        help="also each rule minus RULE (as named in --pair) at each budget and regime")
     args = parser.parse_args(argv)
     wanted = {f"HumanEval/{i}" for i in parse_ids(args.ids)}
     runs = {"greedy": load(args.greedy, wanted), "sampled": load(args.sampled, wanted)}
@@ -117,6 +119,12 @@ def main(argv=None) -> int:
                              - gain(runs[name][g2], sds[name], ts), tasks)
             print(f"{budget}, {name}: most tokens per target call {best}, minus the runner-up "
                   f"{second}: {fmt(diff)} (in units of SD's tokens per target call)")
+            base = next((r[column] for r in rows if r[0] == f"{args.versus} {budget}"), "-")
+            for label, *groups in rows:
+                if base != "-" and groups[column - 1] not in ("-", base):
+                    diff = bootstrap(lambda ts, g=groups[column - 1]: gain(runs[name][g], sds[name], ts)
+                                     - gain(runs[name][base], sds[name], ts), tasks)
+                    print(f"    {label} minus {args.versus} {budget}, {name}: {fmt(diff)}")
     return 0
 
 

@@ -277,5 +277,10 @@ def test_compare_regimes_pairs_problems_across_runs(tmp_path, capsys):
     # Greedy pairs only: the problems of the greedy run, whatever the sampled one decoded.
     assert compare.main(argv + ["--pair", "typical 2%", "typical", "-"]) == 0
     assert capsys.readouterr().out.startswith("3 problems")
+    # --versus: every other rule at a budget minus the one named, per regime.
+    assert compare.main(argv + ["--pair", "fsd 2%", "fsd", "-", "--pair", "typical 2%", "typical", "-",
+                                "--versus", "fsd"]) == 0
+    out = capsys.readouterr().out
+    assert f"typical 2% minus fsd 2%, greedy: {1.25 - (60 / 13) / 4:.3f} [" in out
     with pytest.raises(SystemExit, match="no group 'typical' in the sampled run"):
         compare.main(argv + ["--pair", "typical 2%", "fsd", "typical"])
