@@ -70,7 +70,8 @@ def main(argv=None) -> int:
                         metavar=("'RULE BUDGET'", "GREEDY_GROUP", "SAMPLED_GROUP"),
                         help="a rule at a budget and its group in each run ('-': not run there)")
     parser.add_argument("--versus", default=None, metavar="RULE",
-                        help="also each rule minus RULE (as named in --pair) at each budget and regime")
+                        help="also each rule minus RULE (as named in --pair) at each budget and regime: "
+                             "tokens per target call and pass@1")
     args = parser.parse_args(argv)
     wanted = {f"HumanEval/{i}" for i in parse_ids(args.ids)}
     runs = {"greedy": load(args.greedy, wanted), "sampled": load(args.sampled, wanted)}
@@ -122,9 +123,11 @@ def main(argv=None) -> int:
             base = next((r[column] for r in rows if r[0] == f"{args.versus} {budget}"), "-")
             for label, *groups in rows:
                 if base != "-" and groups[column - 1] not in ("-", base):
-                    diff = bootstrap(lambda ts, g=groups[column - 1]: gain(runs[name][g], sds[name], ts)
-                                     - gain(runs[name][base], sds[name], ts), tasks)
-                    print(f"    {label} minus {args.versus} {budget}, {name}: {fmt(diff)}")
+                    mine, theirs = runs[name][groups[column - 1]], runs[name][base]
+                    diff = bootstrap(lambda ts: gain(mine, sds[name], ts) - gain(theirs, sds[name], ts), tasks)
+                    passed = bootstrap(lambda ts: pass_delta(mine, theirs, ts), tasks)
+                    print(f"    {label} minus {args.versus} {budget}, {name}: {fmt(diff)}; "
+                          f"pass@1 {fmt(passed, 100, True)} points")
     return 0
 
 

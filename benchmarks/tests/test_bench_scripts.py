@@ -282,5 +282,6 @@ def test_compare_regimes_pairs_problems_across_runs(tmp_path, capsys):
                                 "--versus", "fsd"]) == 0
     out = capsys.readouterr().out
     assert f"typical 2% minus fsd 2%, greedy: {1.25 - (60 / 13) / 4:.3f} [" in out
+    assert "; pass@1 +50.0 [" in out  # typical passed both problems, fsd one
     with pytest.raises(SystemExit, match="no group 'typical' in the sampled run"):
         compare.main(argv + ["--pair", "typical 2%", "fsd", "typical"])
