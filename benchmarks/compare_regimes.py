@@ -4,7 +4,8 @@ For each rule at a budget: tokens per target call over SD's in each regime, the 
 the greedy one, and pass@1 minus SD's, each with a 95% percentile bootstrap over the problems both
 runs decoded (a problem's seeds stay together; the same resampled problems for every quantity of a
 row, so the regimes are paired too). Per budget it also compares the rule with the most tokens per
-target call with the runner-up, and with --versus RULE every other rule with RULE. Example (the lenient-rules results folders):
+target call with the runner-up, and with --versus RULE every other rule with RULE. Example (the
+lenient-rules results folders):
 
     python benchmarks/compare_regimes.py --ids 0-44 \\
         --greedy benchmarks/results/lenient-rules-humaneval-greedy-zen4 \\

@@ -289,11 +289,12 @@ def _calibration_prompts(args, texts: List[str], target, draft, tokenizer):
     """-> (1-D token-id tensors, EOS ids for generate or None, a description). A task's problems
     (--humaneval, --gsm8k) are encoded by the frontier benchmark's own backend (its prompt format and
     EOS ids); `texts` as `fsd-ext generate` encodes a prompt."""
-    task = next((name for name in ("humaneval", "gsm8k") if getattr(args, name) is not None), None)
+    from .bench.tasks import TASKS  # (each task has its own ids flag)
+
+    task = next((name for name in TASKS if getattr(args, name, None) is not None), None)
     if task is not None:
         from .bench.humaneval import select_problems
         from .bench.runner import HFBackend
-        from .bench.tasks import TASKS
 
         ids = getattr(args, task)
         problems = select_problems(TASKS[task].load_problems(), ids=ids, prefix=TASKS[task].id_prefix)
